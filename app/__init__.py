@@ -1,0 +1,1 @@
+"""ctxpatch application: the command line and the Qt desktop window."""

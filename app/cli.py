@@ -1,0 +1,264 @@
+"""The ``ctxpatch`` command line (DESIGN.md "Command line contract").
+
+Exit status: 0 success; 2 a user error, printed as one line on stderr; 1 an internal failure
+(or a verification that did not reproduce the logits). Progress goes to stderr, requested
+output only to stdout. Qt is imported only to open the window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from core import __version__
+from core.errors import UserError
+
+EXAMPLES_COMPARE = """examples:
+  ctxpatch compare --absorb all --query "Write a single-sentence weather forecast for Mars, \\
+      from the perspective of a slightly annoyed robot:" --json mars.json
+  ctxpatch compare --context "Alice lives in Paris." --query "Where does Alice live?" \\
+      --method stable --dtype bfloat16 --save-patches p.safetensors
+"""
+EXAMPLES_VERIFY = """examples:
+  ctxpatch verify p.safetensors
+  ctxpatch verify p.safetensors --model ./my-model --dtype float64
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad option as one line and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"ctxpatch: error: {message} (see ctxpatch {self.prog.split()[-1]} --help)\n")
+
+
+def _model_options(p: argparse.ArgumentParser, dtype_default: str | None = "float32") -> None:
+    p.add_argument("--model", default=None if dtype_default is None else "demo",
+                   help="hub id, local folder, or 'demo' (Gemma 3 270M, the default)")
+    p.add_argument("--dtype", default=dtype_default,
+                   choices=["float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run model code shipped with the checkpoint (only for models you trust)")
+
+
+def _compare_options(p: argparse.ArgumentParser) -> None:
+    _model_options(p)
+    p.add_argument("--context", default="", help="the context to absorb into weights")
+    p.add_argument("--image", default=None, help="an image as context (image+text models)")
+    p.add_argument("--query", default="", help="the query (may be empty only with --absorb all)")
+    p.add_argument("--max-new-tokens", type=int, default=20)
+    p.add_argument("--method", default="direct", choices=["direct", "stable"])
+    p.add_argument("--absorb", default="context", choices=["context", "all"])
+    p.add_argument("--scope", default="all-positions", choices=["all-positions", "query"])
+    p.add_argument("--layers", default="all", help='"all", a start "10:", a range "2:8", a list "0,5,17"')
+    p.add_argument("--output-control", default=None,
+                   help="the output control (default: the family's, e.g. scale for Gemma)")
+    p.add_argument("--keep-bos", action="store_true", help="with --absorb all, keep BOS at position 0")
+    p.add_argument("--chat-template", action="store_true",
+                   help="wrap context and query in the tokenizer's chat template")
+    p.add_argument("--stop-at-eos", action="store_true", help="stop when the baseline ends its text")
+    p.add_argument("--top-k", type=int, default=5)
+    p.add_argument("--json", metavar="FILE", help="the run as JSON ('-' for stdout)")
+    p.add_argument("--csv", metavar="FILE", help="per-step metrics as CSV")
+    p.add_argument("--save-patches", metavar="FILE", help="the patches as safetensors")
+    p.add_argument("--report", metavar="FILE", help="HTML report (PDF when FILE ends in .pdf)")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="ctxpatch",
+        description="Context Patch Lab: a prompt's effect, rewritten as exact weight patches.",
+    )
+    parser.add_argument("--version", action="version", version=f"ctxpatch {__version__}")
+    parser.add_argument("--model", default="demo", help="model for the window (default: demo)")
+    parser.add_argument("--screenshot", metavar="FILE", help=argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    compare = sub.add_parser(
+        "compare", help="run one comparison headless", epilog=EXAMPLES_COMPARE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _compare_options(compare)
+    verify = sub.add_parser(
+        "verify", help="write saved patches into a copy of the weights and compare logits",
+        epilog=EXAMPLES_VERIFY, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    verify.add_argument("patches", help="a patches file written by --save-patches")
+    _model_options(verify, dtype_default=None)
+    verify.add_argument("--tolerance", type=float, default=None,
+                        help="max logit L-inf difference relative to the logit scale "
+                             "(default: 1e-3 float64, 1e-2 float32, token match only in 16-bit)")
+    verify.add_argument("--json", metavar="FILE", help="the per-step checks as JSON")
+    return parser
+
+
+class _Progress:
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+
+    def __call__(self, message: str, done: int = 0, total: int = 0) -> None:
+        if not self.quiet:
+            suffix = f" ({done}/{total})" if total else ""
+            print(f"{message}{suffix}", file=sys.stderr, flush=True)
+
+
+def _check_outputs(*paths: str | None) -> None:
+    """Fail before any work when an output cannot be written (nothing computed is lost)."""
+    for path in paths:
+        if path is None or path == "-":
+            continue
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise UserError(f"cannot write {path}: folder {parent} does not exist")
+        if not os.access(parent, os.W_OK):
+            raise UserError(f"cannot write {path}: folder {parent} is not writable")
+        if os.path.isdir(path):
+            raise UserError(f"cannot write {path}: it is a folder")
+
+
+def _load(args: argparse.Namespace, dtype: str, say: _Progress) -> Any:
+    from transformers.utils import logging as hf_logging
+
+    from core.loading import load_model
+
+    hf_logging.disable_progress_bar()  # our own progress lines stand in for tqdm's bars
+
+    return load_model(args.model, dtype=dtype, device=args.device, progress=say,
+                      trust_remote_code=args.trust_remote_code)
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from core.compare import Settings, iter_token_patches, parse_layers, summarize
+    from core.export import run_record, save_patches, steps_csv, write_json, write_text
+    from core.prompt import build_prompt
+
+    say = _Progress(args.quiet)
+    if args.image is not None:
+        raise UserError("image context is not supported yet: give a text --context")
+    if args.report is not None:
+        raise UserError("--report is not available yet: use --json or --csv")
+    settings = Settings(
+        max_new_tokens=args.max_new_tokens, method=args.method, absorb=args.absorb,
+        scope=args.scope, layers=args.layers, keep_bos=args.keep_bos,
+        output_control=args.output_control, top_k=args.top_k, stop_at_eos=args.stop_at_eos,
+        keep_patches=args.save_patches is not None,
+    )
+    settings.validate()
+    if args.top_k < 1:
+        raise UserError("--top-k must be at least 1")
+    if args.absorb == "context" and not args.query.strip():
+        raise UserError("the query is empty: with absorb 'context' the patched model needs query "
+                        "tokens (type a query, or use --absorb all)")
+    if args.absorb == "context" and not args.context and args.image is None:
+        raise UserError("the context is empty: with absorb 'context' there is nothing to absorb "
+                        "(give --context, or use --absorb all)")
+    parse_layers(args.layers, None)  # syntax now; the range once the model is known
+    _check_outputs(args.json, args.csv, args.save_patches, args.report)
+    loaded = _load(args, args.dtype, say)
+    prompt = build_prompt(loaded.tokenizer, args.context, args.query, args.chat_template)
+    steps = []
+    start = time.perf_counter()
+    for s in iter_token_patches(loaded, prompt, settings):
+        steps.append(s)
+        say(f"token {s.step + 1}/{settings.max_new_tokens}: {s.baseline_text!r} "
+            f"{'match' if s.patched.match else 'MISMATCH ' + repr(s.patched.text)} "
+            f"linf={s.patched.linf:.3g} control linf={s.control.linf:.3g}")
+    elapsed = time.perf_counter() - start
+    extra = {"model": args.model, "dtype": args.dtype, "device": str(loaded.device),
+             "context": args.context, "query": args.query, "chat_template": args.chat_template,
+             "image": args.image}
+    record = run_record(loaded.describe(), prompt, settings, steps, extra)
+    record["summary"]["seconds"]["wall"] = elapsed
+    if args.json == "-":
+        import json
+
+        print(json.dumps(record, indent=1, ensure_ascii=False))
+    elif args.json:
+        write_json(args.json, record)
+    if args.csv:
+        write_text(args.csv, steps_csv(steps))
+    if args.save_patches:
+        n = save_patches(args.save_patches, steps, args.model, args.dtype, settings)
+        say(f"saved {n} patch tensors to {args.save_patches}")
+    if args.json != "-":
+        summary = summarize(steps)
+        p, c = summary["patched"], summary["control"]
+        baseline = "".join(s.baseline_text for s in steps)
+        patched = "".join(s.patched.text for s in steps)
+        print(f"baseline (with context):   {baseline!r}")
+        print(f"patched (without context): {patched!r}")
+        print(f"token match {p['matches']}/{summary['tokens']}  max L-inf {p['max_linf']:.3g}  "
+              f"mean TVD {p['mean_tvd']:.3g}  |  control: match {c['matches']}/{summary['tokens']}  "
+              f"max L-inf {c['max_linf']:.3g}  |  {elapsed:.1f} s")
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from core.verify import read_patches, verify_patches
+
+    say = _Progress(False)
+    _check_outputs(args.json)
+    pf = read_patches(args.patches)
+    dtype = args.dtype or pf.metadata.get("dtype", "float32")
+    if args.model is None:
+        args.model = pf.metadata.get("model") or "demo"
+    loaded = _load(args, dtype, say)
+    checks = verify_patches(loaded, pf, progress=lambda d, t: say(f"verified step {d}", d, t))
+    tol = args.tolerance
+    if tol is None:
+        tol = {"float64": 1e-3, "float32": 1e-2}.get(dtype, float("inf"))
+    worst = max((c.linf / max(c.scale, 1e-30) for c in checks), default=0.0)
+    matches = sum(c.match for c in checks)
+    ok = matches == len(checks) and worst <= tol
+    if args.json:
+        from dataclasses import asdict
+
+        from core.export import write_json
+
+        write_json(args.json, {"ok": ok, "tolerance": tol if tol != float("inf") else None,
+                               "steps": [asdict(c) for c in checks]})
+    print(f"{'verified' if ok else 'verification FAILED'}: {matches}/{len(checks)} tokens match, "
+          f"max L-inf {max((c.linf for c in checks), default=0.0):.3g} "
+          f"({worst:.3g} of the logit scale; tolerance {tol:g})")
+    return 0 if ok else 1
+
+
+def _open_window(args: argparse.Namespace) -> int:
+    from app.gui import run_app
+
+    return run_app(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a bad option (already printed)
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        if args.command == "compare":
+            return run_compare(args)
+        if args.command == "verify":
+            return run_verify(args)
+        return _open_window(args)
+    except UserError as exc:
+        print(f"ctxpatch: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ctxpatch: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the last line of defence: one line, exit 1
+        if os.environ.get("CTXPATCH_DEBUG"):
+            raise
+        print(f"ctxpatch: internal error: {type(exc).__name__}: {exc} "
+              "(set CTXPATCH_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,41 @@
+"""Architecture adapters: one module per family, one registry keyed by ``config.model_type``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from core.adapters import gemma3, llama
+from core.adapters.base import Adapter, LayerSites, decoder_layers
+from core.errors import UserError
+
+ADAPTERS: tuple[Adapter, ...] = (gemma3.ADAPTER, llama.ADAPTER)
+
+REGISTRY: dict[str, Adapter] = {t: a for a in ADAPTERS for t in a.model_types}
+
+
+def supported_families() -> str:
+    """One line naming every supported family and its model types."""
+    return "; ".join(f"{a.family} ({', '.join(a.model_types)})" for a in ADAPTERS)
+
+
+def adapter_for_config(config: Any) -> Adapter:
+    """The adapter for a transformers config, or a `UserError` naming the supported families."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in REGISTRY:
+        return REGISTRY[model_type]
+    arch = (getattr(config, "architectures", None) or [model_type or "unknown"])[0]
+    raise UserError(
+        f"unsupported architecture {arch} (model_type {model_type!r}); "
+        f"supported: {supported_families()}"
+    )
+
+
+__all__ = [
+    "ADAPTERS",
+    "Adapter",
+    "LayerSites",
+    "REGISTRY",
+    "adapter_for_config",
+    "decoder_layers",
+    "supported_families",
+]

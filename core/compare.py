@@ -1,0 +1,477 @@
+"""The comparison protocol: a generator of frozen per-token results (DESIGN.md "Protocol").
+
+At every step the full-context model on the baseline history gives the targets and the baseline
+logits (one cached decoding step, recorded by hooks); the patched model on the reduced sequence
+gives the patched logits; the unpatched model on the reduced sequence gives the control. Patches
+are rebuilt for every token; the history grows with the baseline's argmax (teacher forcing).
+
+Results crossing into the GUI are plain Python and numpy (no tensors).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import numpy as np
+import torch
+
+from core.engine import LayerPatch, PatchSpec, compute_dtype, patching, recording
+from core.errors import Cancelled, UserError
+from core.loading import LoadedModel
+from core.patches import Delta, Rank1
+from core.prompt import ABSORB_MODES, Prompt, check_prompt, reduced_sequence
+
+METHODS = ("direct", "stable")
+SCOPES = ("all-positions", "query")
+PATCH_KINDS = ("input", "output")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything that decides a run, with the app's defaults."""
+
+    max_new_tokens: int = 20  # tokens generated (and patched) per run
+    method: str = "direct"  # "direct" (Theorem 1) or "stable" (Appendix B)
+    absorb: str = "context"  # "context": Y = context segments; "all": Y = everything before
+    scope: str = "all-positions"  # patches act on every reduced position, or on the query only
+    layers: str = "all"  # "all", "s:", "s:e", "0,5,17"
+    keep_bos: bool = False  # absorb "all": keep BOS at position 0 in the reduced sequence
+    output_control: str | None = None  # None: the family's default (the paper's choice)
+    top_k: int = 5  # top-k lists kept per step
+    stop_at_eos: bool = False  # stop when the baseline emits an end-of-sequence token
+    keep_patches: bool = False  # keep every step's patch vectors (for --save-patches)
+    disabled: frozenset[str] = frozenset()  # patch kinds left out (negative controls)
+
+    def validate(self) -> None:
+        for name, value, allowed in (
+            ("method", self.method, METHODS),
+            ("absorb", self.absorb, ABSORB_MODES),
+            ("scope", self.scope, SCOPES),
+        ):
+            if value not in allowed:
+                raise UserError(f"unknown {name} {value!r}: use one of {', '.join(allowed)}")
+        if not 1 <= self.max_new_tokens <= 100_000:
+            raise UserError(f"max new tokens must be between 1 and 100000, not {self.max_new_tokens}")
+        if not self.disabled <= set(PATCH_KINDS):
+            raise UserError(f"disabled patch kinds must be among {', '.join(PATCH_KINDS)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["disabled"] = sorted(self.disabled)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Settings:
+        """Build from a dict, warning about and dropping unknown keys."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            warnings.warn(f"ignoring unknown settings: {', '.join(unknown)}", stacklevel=2)
+        kept = {k: v for k, v in data.items() if k in known}
+        if "disabled" in kept:
+            kept["disabled"] = frozenset(kept["disabled"])
+        return cls(**kept)
+
+
+def parse_layers(spec: str, n: int | None) -> list[int]:
+    """Parse a layer selection: "all", "s:", ":e", "s:e", "0,5,17" (negatives count from the end).
+
+    With ``n=None`` only the syntax is checked (before a model is loaded).
+
+    Raises:
+        UserError: on malformed text, an empty selection or a layer outside 0..n-1.
+    """
+    if n is None:
+        parse_layers(spec, 1_000_000)
+        return []
+    text = spec.strip().lower()
+    hint = (
+        f"malformed layers {spec!r}: use 'all', a start like '10:', a range like '2:8' "
+        f"or a list like '0,5,17' (the model has layers 0..{n - 1})"
+    )
+    if text in ("all", ""):
+        return list(range(n))
+    chosen: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            if part.count(":") > 1:
+                raise ValueError(part)
+            if ":" in part:
+                lo_s, _, hi_s = part.partition(":")
+                lo = int(lo_s) if lo_s.strip() else 0
+                hi = int(hi_s) if hi_s.strip() else n
+                lo, hi = (lo + n if lo < 0 else lo), (hi + n if hi < 0 else hi)
+                if not (0 <= lo < n and 0 < hi <= n):
+                    raise UserError(f"layers {spec!r} out of range: the model has layers 0..{n - 1}")
+                chosen.update(range(lo, hi))
+            else:
+                i = int(part)
+                i = i + n if i < 0 else i
+                if not 0 <= i < n:
+                    raise UserError(f"layer {part} out of range: the model has layers 0..{n - 1}")
+                chosen.add(i)
+        except ValueError:
+            raise UserError(hint) from None
+    if not chosen:
+        raise UserError(hint)
+    return sorted(chosen)
+
+
+@dataclass(frozen=True)
+class TopK:
+    ids: tuple[int, ...]
+    texts: tuple[str, ...]
+    probs: tuple[float, ...]
+
+    def to_list(self) -> list[dict[str, Any]]:
+        return [{"id": i, "text": t, "prob": p} for i, t, p in zip(self.ids, self.texts, self.probs)]
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side's prediction at a step and its distance to the baseline."""
+
+    token: int
+    text: str
+    match: bool
+    linf: float  # max |logits - baseline logits|
+    tvd: float  # half the L1 distance of the softmaxes
+    top_k: TopK
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "token": self.token,
+            "text": self.text,
+            "match": self.match,
+            "linf": self.linf,
+            "tvd": self.tvd,
+            "top_k": self.top_k.to_list(),
+        }
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Everything about one generated token, as plain data."""
+
+    step: int
+    position: int  # absolute position of the current (query) token in the full sequence
+    baseline_token: int
+    baseline_text: str
+    baseline_top_k: TopK
+    logit_scale: float  # max |baseline logits|, the scale the differences are judged against
+    patched: Side
+    control: Side  # the unpatched model on the same reduced sequence
+    full_input_ids: tuple[int, ...]
+    reduced_input_ids: tuple[int, ...]
+    reduced_position_ids: tuple[int, ...] | None
+    patch_norms: dict[int, dict[str, dict[str, float]]]  # layer -> param -> norm name -> value
+    layer_info: dict[int, dict[str, Any]]  # layer -> shift_norm, block_error, flags
+    seconds: dict[str, float]  # baseline, patched, control
+    patches: dict[str, np.ndarray] | None = field(default=None, repr=False)  # "{param}.u" etc.
+
+    @property
+    def match(self) -> bool:
+        return self.patched.match
+
+    @property
+    def linf(self) -> float:
+        return self.patched.linf
+
+    @property
+    def tvd(self) -> float:
+        return self.patched.tvd
+
+
+def _decode(tokenizer: Any, token: int) -> str:
+    return str(tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False))
+
+
+def _top_k(tokenizer: Any, probs: torch.Tensor, k: int) -> TopK:
+    p, i = probs.topk(k)
+    ids = tuple(int(x) for x in i)
+    return TopK(ids, tuple(_decode(tokenizer, x) for x in ids), tuple(float(x) for x in p))
+
+
+def _side(tokenizer: Any, logits: torch.Tensor, base: torch.Tensor, base_probs: torch.Tensor,
+          k: int) -> Side:
+    probs = torch.softmax(logits, -1)
+    token = int(logits.argmax())
+    return Side(
+        token=token,
+        text=_decode(tokenizer, token),
+        match=token == int(base.argmax()),
+        linf=float((logits - base).abs().max()),
+        tvd=float(0.5 * (probs - base_probs).abs().sum()),
+        top_k=_top_k(tokenizer, probs, k),
+    )
+
+
+class _Norms:
+    """Parameter norms, computed once per run, for relative patch norms."""
+
+    def __init__(self, model: torch.nn.Module, norm_offset: float, scale_names: set[str]) -> None:
+        self.params = dict(model.named_parameters())
+        self.offset, self.scale_names = norm_offset, scale_names
+        self.cache: dict[str, float] = {}
+
+    def of(self, name: str) -> float:
+        if name not in self.cache:
+            p = self.params[name].detach().double()
+            if name in self.scale_names:
+                p = p + self.offset  # relative to the effective scale m = offset + weight
+            self.cache[name] = float(p.norm())
+        return self.cache[name]
+
+
+def _patch_norms(lp: LayerPatch, norms: _Norms) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for name, patch in lp.patches.items():
+        ref = norms.of(name)
+        if isinstance(patch, Rank1):
+            fro = patch.frobenius()
+            out[name] = {"frobenius": fro, "relative": fro / ref if ref else math.inf}
+        else:
+            l2 = float(patch.delta.norm())
+            out[name] = {
+                "l2": l2,
+                "linf": float(patch.delta.abs().max()),
+                "relative": l2 / ref if ref else math.inf,
+            }
+    return out
+
+
+def _patch_arrays(lps: dict[int, LayerPatch], transposed: bool) -> dict[str, np.ndarray]:
+    """Patch vectors as float32 arrays named for the patches file, in the parameter's stored
+    orientation (``u`` along ``shape[0]``; Conv1D-style weights are stored (in, out))."""
+    arrays: dict[str, np.ndarray] = {}
+    for lp in lps.values():
+        for name, patch in lp.patches.items():
+            if isinstance(patch, Rank1):
+                out, inp = patch.u, patch.a
+                first, second = (inp, out) if transposed else (out, inp)
+                arrays[f"{name}.u"] = first.detach().float().cpu().numpy()
+                arrays[f"{name}.v"] = second.detach().float().cpu().numpy()
+            elif isinstance(patch, Delta):
+                arrays[f"{name}.delta"] = patch.delta.detach().float().cpu().numpy()
+    return arrays
+
+
+@contextmanager
+def _rollback(cache: Any) -> Iterator[None]:
+    """Undo whatever a forward appends to a DynamicCache (its layers replace, not mutate, tensors)."""
+    saved = [dict(layer.__dict__) for layer in cache.layers]
+    try:
+        yield
+    finally:
+        for layer, state in zip(cache.layers, saved):
+            layer.__dict__.clear()
+            layer.__dict__.update(state)
+
+
+def _forward(model: Any, ids: Sequence[int], device: torch.device, cache: Any = None,
+             positions: Sequence[int] | None = None) -> torch.Tensor:
+    """Last-position logits as a float64 CPU vector."""
+    kwargs: dict[str, Any] = {"logits_to_keep": 1}
+    if cache is not None:
+        kwargs.update(cache=cache, use_cache=True)
+    else:
+        kwargs["use_cache"] = False
+    if positions is not None:
+        kwargs["position_ids"] = torch.tensor([list(positions)], device=device)
+    out = model(input_ids=torch.tensor([list(ids)], device=device), **kwargs)
+    return out.logits[0, -1].detach().to("cpu", torch.float64)
+
+
+def _eos_ids(loaded: LoadedModel) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(loaded.model, "generation_config", None), loaded.tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list | tuple):
+            ids.update(int(e) for e in eos)
+    return ids
+
+
+def resolve_control(loaded: LoadedModel, settings: Settings) -> str:
+    controls = loaded.adapter.output_controls
+    control = settings.output_control or controls[0]
+    if control not in controls:
+        raise UserError(
+            f"output control {control!r} is not available for {loaded.adapter.family}: "
+            f"use {', '.join(controls)}"
+        )
+    return control
+
+
+def _max_positions(model: Any) -> int | None:
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text, "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+def iter_token_patches(
+    loaded: LoadedModel,
+    prompt: Prompt,
+    settings: Settings,
+    should_stop: Callable[[], bool] | None = None,
+) -> Iterator[StepResult]:
+    """Run the protocol, yielding one `StepResult` per generated token.
+
+    Args:
+        loaded: the model (only the calling thread touches it).
+        prompt: the tokenized prompt.
+        settings: the run's settings.
+        should_stop: checked between layers and tokens; the generator then ends quietly.
+    """
+    from transformers import DynamicCache
+
+    settings.validate()
+    check_prompt(prompt, settings.absorb)
+    control = resolve_control(loaded, settings)
+    model, adapter, tok, device = loaded.model, loaded.adapter, loaded.tokenizer, loaded.device
+    limit = _max_positions(model)
+    full = list(prompt.full_ids)
+    if limit is not None and len(full) + settings.max_new_tokens > limit:
+        raise UserError(
+            f"input too long: {len(full)} prompt tokens + {settings.max_new_tokens} new tokens "
+            f"exceed the model's {limit} positions (shorten the context or generate fewer tokens)"
+        )
+    all_layers = adapter.layers(model)
+    chosen = parse_layers(settings.layers, len(all_layers))
+    sites = {i: adapter.sites(all_layers[i]) for i in chosen}
+    names = {id(m): n for n, m in model.named_modules()}
+    dtype = compute_dtype(loaded.dtype)
+    spec = PatchSpec(
+        method=settings.method,
+        control=control,
+        last_only=settings.scope == "query",
+        disabled=settings.disabled,
+        norm_offset=adapter.norm_offset,
+        stored_dtype=torch.float32 if settings.keep_patches else None,
+    )
+    scale_names = {f"{names[id(s.out_norm)]}.weight" for s in sites.values() if s.out_norm is not None}
+    norms = _Norms(model, adapter.norm_offset, scale_names)
+    eos = _eos_ids(loaded) if settings.stop_at_eos else set()
+    cached_query = settings.absorb == "context" and settings.scope == "query"
+    base_cache = DynamicCache(config=model.config)
+    ctrl_cache = DynamicCache(config=model.config) if settings.absorb == "context" else None
+    ctrl_len = 0
+    history: list[int] = []
+    feed = full
+    try:
+        with torch.inference_mode():
+            for step in range(settings.max_new_tokens):
+                if should_stop is not None and should_stop():
+                    return
+                t0 = time.perf_counter()
+                with recording(all_layers, sites, dtype, should_stop) as targets:
+                    base = _forward(model, feed, device, cache=base_cache)
+                t1 = time.perf_counter()
+                red_ids, red_pos = reduced_sequence(prompt, history, settings.absorb, settings.keep_bos)
+                if cached_query:
+                    assert ctrl_cache is not None
+                    if len(red_ids) - 1 > ctrl_len:
+                        _forward(model, red_ids[ctrl_len:-1], device, cache=ctrl_cache)
+                        ctrl_len = len(red_ids) - 1
+                    with _rollback(ctrl_cache), patching(
+                        all_layers, sites, targets, spec, names, dtype, should_stop
+                    ) as lps:
+                        patched = _forward(model, red_ids[-1:], device, cache=ctrl_cache)
+                else:
+                    with patching(all_layers, sites, targets, spec, names, dtype, should_stop) as lps:
+                        patched = _forward(model, red_ids, device, positions=red_pos)
+                t2 = time.perf_counter()
+                if ctrl_cache is not None:
+                    ctrl = _forward(model, red_ids[ctrl_len:], device, cache=ctrl_cache)
+                    ctrl_len = len(red_ids)
+                else:
+                    ctrl = _forward(model, red_ids, device, positions=red_pos)
+                t3 = time.perf_counter()
+                base_probs = torch.softmax(base, -1)
+                token = int(base.argmax())
+                yield StepResult(
+                    step=step,
+                    position=len(full) + len(history) - 1,
+                    baseline_token=token,
+                    baseline_text=_decode(tok, token),
+                    baseline_top_k=_top_k(tok, base_probs, settings.top_k),
+                    logit_scale=float(base.abs().max()),
+                    patched=_side(tok, patched, base, base_probs, settings.top_k),
+                    control=_side(tok, ctrl, base, base_probs, settings.top_k),
+                    full_input_ids=tuple(full + history),
+                    reduced_input_ids=tuple(red_ids),
+                    reduced_position_ids=tuple(red_pos) if red_pos is not None else None,
+                    patch_norms={i: _patch_norms(lp, norms) for i, lp in lps.items()},
+                    layer_info={i: _layer_info(lp) for i, lp in lps.items()},
+                    seconds={"baseline": t1 - t0, "patched": t2 - t1, "control": t3 - t2},
+                    patches=_patch_arrays(lps, adapter.transposed) if settings.keep_patches else None,
+                )
+                history.append(token)
+                feed = [token]
+                if token in eos:
+                    return
+    except Cancelled:
+        return
+
+
+def _layer_info(lp: LayerPatch) -> dict[str, Any]:
+    return {
+        "shift_norm": lp.shift_norm,
+        "block_error": lp.block_error,
+        "div_by_one": lp.div_by_one,
+        "hard_case": lp.hard_case,
+        "zero_z": lp.zero_z,
+        "zero_h": lp.zero_h,
+    }
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def summarize(steps: Sequence[StepResult]) -> dict[str, Any]:
+    """Pooled metrics over a run: match rate, max and median of each, for patched and control."""
+    out: dict[str, Any] = {"tokens": len(steps)}
+    for label, sides in (("patched", [s.patched for s in steps]), ("control", [s.control for s in steps])):
+        linf, tvd = [x.linf for x in sides], [x.tvd for x in sides]
+        matches = sum(x.match for x in sides)
+        out[label] = {
+            "matches": matches,
+            "match_rate": matches / len(sides) if sides else math.nan,
+            "max_linf": max(linf, default=math.nan),
+            "median_linf": _median(linf),
+            "max_tvd": max(tvd, default=math.nan),
+            "median_tvd": _median(tvd),
+            "mean_tvd": statistics.fmean(tvd) if tvd else math.nan,
+        }
+    infos = [info for s in steps for info in s.layer_info.values()]
+    out["faults"] = {
+        "div_by_one": sum(int(i["div_by_one"]) for i in infos),
+        "hard_case_layers": sum(bool(i["hard_case"]) for i in infos),
+        "zero_z_layers": sum(bool(i["zero_z"]) for i in infos),
+        "zero_h_layers": sum(bool(i["zero_h"]) for i in infos),
+    }
+    seconds = {k: sum(s.seconds[k] for s in steps) for k in ("baseline", "patched", "control")}
+    out["seconds"] = {**seconds, "total": sum(seconds.values())}
+    return out
+
+
+__all__ = [
+    "Settings",
+    "Side",
+    "StepResult",
+    "TopK",
+    "iter_token_patches",
+    "parse_layers",
+    "summarize",
+]

@@ -1,0 +1,396 @@
+"""One step of Algorithm 1 (PAPER.md section 3): record targets, then a patched reduced pass.
+
+Both halves are context managers that register forward hooks on the model's own modules and
+remove them in ``finally``; the model's code is never replaced.
+
+- `recording` hooks the full-context forward and keeps, for each patched layer, the targets at
+  the query (last) position: ``v_C``, each input matrix's output ``W z_C``, the output matrix's
+  output ``h_down,C``, the branch output and the block output ``T_C``.
+- `patching` hooks the reduced forward and builds each layer's patch *inside* that forward, from
+  the actual (already patched) reduced activations, so layer ``l`` also absorbs the rounding
+  drift of layers ``< l``. Patches act as rank-1 actions ``W x + u (a . x)``.
+
+Tensors captured at the query position are 1-D: ``(d,)`` model width, ``(f,)`` MLP width.
+Forward activations are ``(batch=1, seq, width)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from core.adapters.base import LayerSites
+from core.errors import Cancelled
+from core.patches import (
+    Delta,
+    Patch,
+    Rank1,
+    matrix_output_patch,
+    rank1_input_patch,
+    rms_normalize,
+    scale_patch,
+    stable_down_target,
+)
+
+StopFn = Callable[[], bool]
+
+
+@dataclass
+class LayerTargets:
+    """Full-context values of one layer at the query position (compute dtype)."""
+
+    v_parts: list[Tensor] = field(default_factory=list)  # summed: v_C (d,)
+    inputs: dict[str, Tensor] = field(default_factory=dict)  # role -> W z_C (f,)
+    down: Tensor | None = None  # h_down,C (d,)
+    branch: Tensor | None = None  # m * N(h_down,C) or h_down,C (d,)
+    block: Tensor | None = None  # T_C (d,)
+
+    @property
+    def v(self) -> Tensor:
+        return torch.stack(self.v_parts).sum(0)
+
+
+@dataclass
+class LayerPatch:
+    """What one layer's patch is and how its construction went."""
+
+    layer: int
+    patches: dict[str, Patch] = field(default_factory=dict)  # parameter name -> patch
+    shift_norm: float = 0.0  # |dv| (L2)
+    zero_z: bool = False  # an input matrix saw z = 0: no input patch possible
+    zero_h: bool = False  # the output matrix saw h = 0: no output patch possible
+    div_by_one: int = 0  # scale-patch coordinates with N(h)_j = 0
+    hard_case: bool = False  # stable update: the secular equation had no interior root
+    block_error: float = float("nan")  # max |T - T_C| at the query after patching
+
+
+@dataclass(frozen=True)
+class PatchSpec:
+    """How to patch (resolved settings, no tensors).
+
+    Attributes:
+        method: "direct" or "stable".
+        control: the output control, "scale", "matrix" or "bias".
+        last_only: patches act at the query position only (scope "query").
+        disabled: patch kinds left out: "input" and/or "output" (negative controls, ablations).
+        norm_offset: the post-norm scale is ``norm_offset + weight``.
+        stored_dtype: when set, every patch vector is rounded to it before it acts, so the
+            run applies exactly the patches that are saved (the patches file is float32) and
+            later layers absorb that rounding instead of a verifier meeting it unabsorbed.
+    """
+
+    method: str = "direct"
+    control: str = "scale"
+    last_only: bool = False
+    disabled: frozenset[str] = frozenset()
+    norm_offset: float = 0.0
+    stored_dtype: torch.dtype | None = None
+
+
+def compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """Patch vectors are float64 for float64 models, float32 otherwise."""
+    return torch.float64 if model_dtype == torch.float64 else torch.float32
+
+
+def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+    if args and isinstance(args[0], Tensor):
+        return args[0]
+    if isinstance(kwargs.get("hidden_states"), Tensor):
+        return kwargs["hidden_states"]
+    return next(v for v in kwargs.values() if isinstance(v, Tensor))
+
+
+def _first_output(output: Any) -> Tensor:
+    return output[0] if isinstance(output, tuple | list) else output
+
+
+def _replace_output(output: Any, new: Tensor) -> Any:
+    if isinstance(output, tuple):
+        return (new, *output[1:])
+    if isinstance(output, list):
+        return [new, *output[1:]]
+    return new
+
+
+def _q(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """The query (last) position of a (1, seq, width) activation, as a (width,) copy."""
+    return x[0, -1].detach().to(dtype).clone()
+
+
+@contextmanager
+def _hook_scope() -> Iterator[Callable[[Any], None]]:
+    handles: list[Any] = []
+    try:
+        yield handles.append
+    finally:
+        for h in reversed(handles):
+            h.remove()
+
+
+def _stop_hooks(add: Callable[[Any], None], layers: nn.ModuleList, should_stop: StopFn | None) -> None:
+    if should_stop is None:
+        return
+
+    def check(module: nn.Module, args: tuple[Any, ...]) -> None:
+        if should_stop():
+            raise Cancelled
+
+    for layer in layers:
+        add(layer.register_forward_pre_hook(check))
+
+
+def _source_hook(
+    add: Callable[[Any], None], module: nn.Module, kind: str, sink: Callable[[Tensor], None]
+) -> None:
+    if kind == "input":
+
+        def pre(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            sink(_first_input(args, kwargs))
+
+        add(module.register_forward_pre_hook(pre, with_kwargs=True))
+    else:
+
+        def post(m: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            sink(_first_output(output))
+
+        add(module.register_forward_hook(post))
+
+
+@contextmanager
+def recording(
+    layers: nn.ModuleList,
+    sites: Mapping[int, LayerSites],
+    dtype: torch.dtype,
+    should_stop: StopFn | None = None,
+) -> Iterator[dict[int, LayerTargets]]:
+    """Record the targets of the patched layers during one full-context forward.
+
+    Args:
+        layers: all decoder layers (each checks ``should_stop`` before it runs).
+        sites: the patched layers' handles, by layer index.
+        dtype: compute dtype of the stored targets.
+
+    Yields:
+        A dict filled during the forward: layer index -> `LayerTargets` at the last position.
+    """
+    targets: dict[int, LayerTargets] = {i: LayerTargets() for i in sites}
+    with _hook_scope() as add:
+        _stop_hooks(add, layers, should_stop)
+        for i, s in sites.items():
+            t = targets[i]
+
+            def keep_v(x: Tensor, t: LayerTargets = t) -> None:
+                t.v_parts.append(_q(x, dtype))
+
+            for module, kind in s.v_sources:
+                _source_hook(add, module, kind, keep_v)
+            for role, module in s.inputs:
+
+                def keep_in(m: nn.Module, a: Any, out: Any, t: LayerTargets = t, role: str = role) -> None:
+                    t.inputs[role] = _q(_first_output(out), dtype)
+
+                add(module.register_forward_hook(keep_in))
+
+            def keep_down(m: nn.Module, a: Any, out: Any, t: LayerTargets = t) -> None:
+                t.down = _q(_first_output(out), dtype)
+                t.branch = t.down
+
+            add(s.out_matrix.register_forward_hook(keep_down))
+            if s.out_norm is not None:
+
+                def keep_branch(m: nn.Module, a: Any, out: Any, t: LayerTargets = t) -> None:
+                    t.branch = _q(_first_output(out), dtype)
+
+                add(s.out_norm.register_forward_hook(keep_branch))
+
+            def keep_block(m: nn.Module, a: Any, out: Any, t: LayerTargets = t) -> None:
+                t.block = _q(_first_output(out), dtype)
+
+            add(s.layer.register_forward_hook(keep_block))
+        yield targets
+
+
+def _act(x: Tensor, y: Tensor, r: Rank1, last_only: bool) -> Tensor:
+    """``y + u (a . x)`` computed in the patch dtype, cast back to ``y``'s dtype."""
+    ct = r.u.dtype
+    if last_only or y.shape[1] == 1:
+        out = y.clone()
+        xq, yq = x[:, -1:], y[:, -1:]
+        out[:, -1:] = (yq.to(ct) + (xq.to(ct) @ r.a)[..., None] * r.u).to(y.dtype)
+        return out
+    return (y.to(ct) + (x.to(ct) @ r.a)[..., None] * r.u).to(y.dtype)
+
+
+def _norm_eps(module: nn.Module) -> float:
+    for name in ("eps", "variance_epsilon", "epsilon"):
+        if hasattr(module, name):
+            return float(getattr(module, name))
+    raise NotImplementedError(f"cannot find the epsilon of {type(module).__name__}")
+
+
+class _LayerPatcher:
+    """The hooks of one patched layer during one reduced forward (state lives here)."""
+
+    def __init__(
+        self,
+        index: int,
+        sites: LayerSites,
+        target: LayerTargets,
+        spec: PatchSpec,
+        names: Mapping[int, str],
+        dtype: torch.dtype,
+    ) -> None:
+        self.s, self.t, self.spec, self.names, self.dtype = sites, target, spec, names, dtype
+        self.result = LayerPatch(layer=index)
+        self.v_parts: list[Tensor] = []
+        self.g: Tensor | None = None  # stable: target branch output
+        self.recomputing = False
+
+    def _name(self, module: nn.Module, param: str) -> str:
+        return f"{self.names[id(module)]}.{param}"
+
+    def _stored(self, x: Tensor) -> Tensor:
+        st = self.spec.stored_dtype
+        return x if st is None or st == x.dtype else x.to(st).to(x.dtype)
+
+    def _rank1(self, r: Rank1) -> Rank1:
+        return Rank1(self._stored(r.u), self._stored(r.a))
+
+    def _shift(self) -> Tensor:
+        """``dv = v_C - v`` at the query."""
+        v = torch.stack(self.v_parts).sum(0)
+        dv = self.t.v - v
+        self.result.shift_norm = float(dv.norm())
+        return dv
+
+    def keep_v(self, x: Tensor) -> None:
+        self.v_parts.append(_q(x, self.dtype))
+
+    def on_input(self, role: str) -> Callable[[nn.Module, Any, Any], Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            if "input" in self.spec.disabled:
+                return None
+            x, y = args[0], _first_output(output)
+            r = rank1_input_patch(self.t.inputs[role], _q(y, self.dtype), _q(x, self.dtype))
+            if r is None:
+                self.result.zero_z = True
+                return None
+            r = self._rank1(r)
+            self.result.patches[self._name(module, "weight")] = r
+            return _replace_output(output, _act(x, y, r, self.spec.last_only))
+
+        return hook
+
+    def on_out_matrix(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if "output" in self.spec.disabled:
+            return None
+        x, y = args[0], _first_output(output)
+        spec = self.spec
+        if spec.control == "bias":
+            d = Delta(self._stored(self._shift()))
+            self.result.patches[self._name(module, "bias")] = d
+            out = y.clone()
+            sl = slice(-1, None) if spec.last_only else slice(None)
+            out[:, sl] = (out[:, sl].to(d.delta.dtype) + d.delta).to(y.dtype)
+            return _replace_output(output, out)
+        if spec.control == "matrix":
+            shift = self._shift()
+        elif spec.control == "scale" and spec.method == "stable":
+            assert self.s.out_norm is not None and self.t.down is not None
+            m = self._scale()
+            self.g = self._shift() + self.t.branch
+            c_rms = self.t.down.pow(2).mean().sqrt()
+            h_target, hard = stable_down_target(self.g, m, c_rms)
+            self.result.hard_case = hard
+            shift = h_target - _q(y, self.dtype)
+        else:
+            return None
+        r = matrix_output_patch(shift, _q(x, self.dtype))
+        if r is None:
+            self.result.zero_h = True
+            return None
+        r = self._rank1(r)
+        self.result.patches[self._name(module, "weight")] = r
+        return _replace_output(output, _act(x, y, r, spec.last_only))
+
+    def _scale(self) -> Tensor:
+        norm = self.s.out_norm
+        assert norm is not None
+        return self.spec.norm_offset + norm.weight.detach().to(self.dtype)
+
+    def on_out_norm(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if self.recomputing or "output" in self.spec.disabled:
+            return None
+        h = args[0]
+        n = rms_normalize(_q(h, self.dtype), _norm_eps(module))
+        if self.spec.method == "stable" and self.g is not None:
+            shift = self.g - self._scale() * n
+        else:
+            shift = self._shift()
+        dm, zeros = scale_patch(shift, n)
+        dm = self._stored(dm)
+        self.result.div_by_one += zeros
+        self.result.patches[self._name(module, "weight")] = Delta(dm)
+        weight = module.weight.detach().to(self.dtype) + dm
+        self.recomputing = True
+        try:
+            patched = torch.func.functional_call(module, {"weight": weight}, (h,))
+        finally:
+            self.recomputing = False
+        y = _first_output(output)
+        patched = patched.to(y.dtype)
+        if self.spec.last_only and y.shape[1] > 1:
+            out = y.clone()
+            out[:, -1:] = patched[:, -1:]
+            patched = out
+        return _replace_output(output, patched)
+
+    def on_block(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self.t.block is not None:
+            t = _q(_first_output(output), self.dtype)
+            self.result.block_error = float((t - self.t.block).abs().max())
+
+
+@contextmanager
+def patching(
+    layers: nn.ModuleList,
+    sites: Mapping[int, LayerSites],
+    targets: Mapping[int, LayerTargets],
+    spec: PatchSpec,
+    names: Mapping[int, str],
+    dtype: torch.dtype,
+    should_stop: StopFn | None = None,
+) -> Iterator[dict[int, LayerPatch]]:
+    """Build and apply each patched layer's patch during one reduced-context forward.
+
+    Args:
+        layers: all decoder layers (each checks ``should_stop`` before it runs).
+        sites: the patched layers' handles, by layer index.
+        targets: what `recording` kept for those layers.
+        spec: method, output control, scope and disabled patch kinds.
+        names: ``id(module) -> qualified name`` for naming patched parameters.
+        dtype: compute dtype of the patch vectors.
+
+    Yields:
+        A dict filled during the forward: layer index -> `LayerPatch`.
+    """
+    results: dict[int, LayerPatch] = {}
+    with _hook_scope() as add:
+        _stop_hooks(add, layers, should_stop)
+        for i, s in sites.items():
+            lp = _LayerPatcher(i, s, targets[i], spec, names, dtype)
+            results[i] = lp.result
+            for module, kind in s.v_sources:
+                _source_hook(add, module, kind, lp.keep_v)
+            for role, module in s.inputs:
+                add(module.register_forward_hook(lp.on_input(role)))
+            add(s.out_matrix.register_forward_hook(lp.on_out_matrix))
+            if s.out_norm is not None and spec.control == "scale":
+                add(s.out_norm.register_forward_hook(lp.on_out_norm))
+            add(s.layer.register_forward_hook(lp.on_block))
+        yield results

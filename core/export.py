@@ -1,0 +1,178 @@
+"""Run JSON, per-step CSV and the patches file (DESIGN.md "Run JSON" and "Patches file").
+
+Every write is atomic: the data goes to a temporary file beside the target, which then replaces
+it, so a crash or a cancel mid-write never leaves a half-written file.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from core.compare import Settings, StepResult, summarize
+from core.errors import UserError
+from core.prompt import Prompt
+
+SCHEMA_VERSION = 1
+PATCHES_FORMAT = "ctxpatch-patches/1"
+
+
+def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
+    """Call ``write(tmp_path)`` then move the temporary file over ``path``."""
+    target = Path(path)
+    parent = target.parent if str(target.parent) else Path(".")
+    if not parent.is_dir():
+        raise UserError(f"cannot write {path}: folder {parent} does not exist")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=parent)
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_text(path: str | Path, text: str) -> None:
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+
+    atomic_write(path, write)
+
+
+def _finite(x: Any) -> Any:
+    """JSON has no NaN or infinity: they become null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {str(k): _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x
+
+
+def step_to_dict(s: StepResult) -> dict[str, Any]:
+    return {
+        "step": s.step,
+        "position": s.position,
+        "baseline_token": {"id": s.baseline_token, "text": s.baseline_text},
+        "patched_token": {"id": s.patched.token, "text": s.patched.text},
+        "match": s.patched.match,
+        "linf": s.patched.linf,
+        "logit_scale": s.logit_scale,
+        "tvd": s.patched.tvd,
+        "control": {
+            "token": {"id": s.control.token, "text": s.control.text},
+            "match": s.control.match,
+            "linf": s.control.linf,
+            "tvd": s.control.tvd,
+        },
+        "top_k": {
+            "baseline": s.baseline_top_k.to_list(),
+            "patched": s.patched.top_k.to_list(),
+            "control": s.control.top_k.to_list(),
+        },
+        "patch_norms": {str(k): v for k, v in s.patch_norms.items()},
+        "layers": {str(k): v for k, v in s.layer_info.items()},
+        "reduced_input_ids": list(s.reduced_input_ids),
+        "reduced_position_ids": None if s.reduced_position_ids is None else list(s.reduced_position_ids),
+        "seconds": s.seconds,
+    }
+
+
+def run_record(
+    model: dict[str, Any],
+    prompt: Prompt,
+    settings: Settings,
+    steps: Sequence[StepResult],
+    extra_settings: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The run as a JSON-ready dict (schema ``SCHEMA_VERSION``)."""
+    return _finite(
+        {
+            "schema_version": SCHEMA_VERSION,
+            "settings": {**settings.to_dict(), **(extra_settings or {})},
+            "model": model,
+            "prompt": prompt.to_dict(),
+            "steps": [step_to_dict(s) for s in steps],
+            "summary": summarize(steps),
+        }
+    )
+
+
+def write_json(path: str | Path, record: dict[str, Any]) -> None:
+    text = json.dumps(record, indent=1, ensure_ascii=False, allow_nan=False) + "\n"
+    write_text(path, text)
+
+
+CSV_COLUMNS = (
+    "step", "position", "baseline_id", "baseline_text", "patched_id", "patched_text", "match",
+    "linf", "tvd", "control_id", "control_text", "control_match", "control_linf", "control_tvd",
+    "seconds",
+)
+
+
+def steps_csv(steps: Sequence[StepResult]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(CSV_COLUMNS)
+    for s in steps:
+        w.writerow([
+            s.step, s.position, s.baseline_token, s.baseline_text, s.patched.token, s.patched.text,
+            int(s.patched.match), repr(s.patched.linf), repr(s.patched.tvd), s.control.token,
+            s.control.text, int(s.control.match), repr(s.control.linf), repr(s.control.tvd),
+            f"{sum(s.seconds.values()):.6f}",
+        ])
+    return buf.getvalue()
+
+
+def save_patches(
+    path: str | Path, steps: Sequence[StepResult], model_id: str, dtype: str, settings: Settings
+) -> int:
+    """Write every step's patches as one safetensors file; returns the tensor count.
+
+    Raises:
+        UserError: when the run kept no patches (``Settings.keep_patches`` was off).
+    """
+    from safetensors.numpy import save_file
+
+    tensors: dict[str, np.ndarray] = {}
+    meta_steps = []
+    for s in steps:
+        if s.patches is None:
+            raise UserError("this run kept no patches: run it with keep_patches (--save-patches)")
+        for name, arr in s.patches.items():
+            tensors[f"step.{s.step}.{name}"] = np.ascontiguousarray(arr, dtype=np.float32)
+        meta_steps.append({
+            "full_input_ids": list(s.full_input_ids),
+            "reduced_input_ids": list(s.reduced_input_ids),
+            "reduced_position_ids": None if s.reduced_position_ids is None else list(s.reduced_position_ids),
+        })
+    metadata = {
+        "format": PATCHES_FORMAT,
+        "model": model_id,
+        "dtype": dtype,
+        "method": settings.method,
+        "absorb": settings.absorb,
+        "scope": settings.scope,
+        "layers": settings.layers,
+        "output_control": settings.output_control or "",
+        "steps": json.dumps(meta_steps),
+    }
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    return len(tensors)

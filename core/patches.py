@@ -1,0 +1,191 @@
+"""The patch mathematics of Goldwaser et al., arXiv 2511.17864 (PAPER.md sections 2, 4, 5).
+
+Pure functions on vectors at the query position; nothing here knows about modules or hooks.
+
+Dimensions: ``d`` model width, ``f`` MLP width (or any matrix's input / output width).
+
+- Input control (Theorem 1, Lemma ``input_controllability_mlp``): for a matrix ``W`` that reads
+  ``z`` and should act as on ``z_C``, ``dW = W (z_C - z) z^T / |z|^2``. We get ``W z_C`` and
+  ``W z`` as the module's recorded outputs, so ``u = y_C - y`` and ``a = z / |z|^2``.
+- Output matrix (Table 1): ``dW' = dv h^T / |h|^2`` adds ``dv`` to ``W' h``.
+- Output bias (Table 1): ``db = dv``.
+- Output scale (Theorem 1): ``dm = dv / N(h)``, a division by zero replaced by one (and counted).
+- Stable update (Appendix B): most of the shift moves into the down matrix through an RMSNorm
+  inversion, the remainder into the scale (`stable_down_target`, `solve_rms_fit`).
+
+Patch vectors are computed in float32, or float64 for float64 models; the secular equation of
+the stable update is always solved in float64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Rank1:
+    """A rank-1 matrix patch ``dW = outer(u, a)`` in (out, in) orientation.
+
+    Applied as an action, ``(W + dW) x = W x + u (a . x)``; never materialized during a run.
+    """
+
+    u: Tensor  # (out,)
+    a: Tensor  # (in,)
+
+    def frobenius(self) -> float:
+        """``|outer(u, a)|_F = |u| |a|``."""
+        return float(self.u.norm() * self.a.norm())
+
+
+@dataclass(frozen=True)
+class Delta:
+    """An additive patch of a vector parameter (a bias, or a norm weight)."""
+
+    delta: Tensor  # (d,)
+
+
+Patch = Rank1 | Delta
+
+
+def rank1_input_patch(y_target: Tensor, y: Tensor, z: Tensor) -> Rank1 | None:
+    """Rank-1 patch making a matrix map ``z`` to ``y_target`` (Theorem 1, Eqs. 2-3).
+
+    Args:
+        y_target: (out,) the matrix's output on the full-context input, ``W z_C (+ b)``.
+        y: (out,) its output on the reduced input, ``W z (+ b)``.
+        z: (in,) the reduced input.
+
+    Returns:
+        ``Rank1(u = y_target - y, a = z / |z|^2)``, or None when ``z = 0`` (the paper's condition
+        fails: no rank-1 patch along ``z`` exists).
+    """
+    zz = torch.dot(z, z)
+    if not bool(zz > 0):
+        return None
+    return Rank1(u=y_target - y, a=z / zz)
+
+
+def matrix_output_patch(shift: Tensor, h: Tensor) -> Rank1 | None:
+    """Rank-1 output-matrix patch adding ``shift`` to ``W' h`` (Table 1, ``dW' = dv h^T/|h|^2``).
+
+    Args:
+        shift: (out,) the residual shift to add, ``dv``.
+        h: (in,) the matrix's input at the query (the gated activation for SwiGLU MLPs).
+    """
+    hh = torch.dot(h, h)
+    if not bool(hh > 0):
+        return None
+    return Rank1(u=shift, a=h / hh)
+
+
+def rms_normalize(x: Tensor, eps: float) -> Tensor:
+    """``N(x) = x / sqrt(mean(x^2) + eps)``: the RMSNorm without its scale, in ``x``'s dtype."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def scale_patch(shift: Tensor, n: Tensor) -> tuple[Tensor, int]:
+    """Elementwise scale patch ``dm = shift / n`` adding ``shift`` to ``m * n``.
+
+    A coordinate with ``n_j = 0`` is divided by one instead (the paper's rule); the count of such
+    coordinates is returned so the run can report it.
+
+    Args:
+        shift: (d,) the wanted change of the branch output.
+        n: (d,) the realised normalized input of the post-norm, ``N(h)``.
+
+    Returns:
+        ``(dm, zero_count)``.
+    """
+    zero = n == 0
+    return shift / torch.where(zero, torch.ones_like(n), n), int(zero.sum())
+
+
+@dataclass(frozen=True)
+class RmsFit:
+    """Solution of ``min |m * y - g|^2  s.t.  mean(y^2) = 1`` (Appendix B.2)."""
+
+    y: Tensor  # (d,) float64, mean(y^2) = 1
+    mu: float  # the Lagrange multiplier, below min(m^2)
+    hard_case: bool  # no interior root: the fallback of PAPER.md section 5 was used
+
+
+def _secular(gm2: Tensor, m2: Tensor, mu: Tensor) -> Tensor:
+    """``F(mu) = mean((g m)^2 / (m^2 - mu)^2)``; ``mu`` may be a batch of candidates (k, 1)."""
+    return (gm2 / (m2 - mu) ** 2).mean(-1)
+
+
+def solve_rms_fit(g: Tensor, m: Tensor, rounds: int = 12) -> RmsFit:
+    """Fit ``m * y`` to ``g`` with ``y`` on the RMS sphere ``mean(y^2) = 1``.
+
+    Stationarity gives ``y_k = g_k m_k / (m_k^2 - mu)`` with ``mu`` the root below ``min m^2`` of
+    the secular equation ``F(mu) = 1``; on ``(-inf, min m^2)`` F rises monotonically from 0, so
+    that root is unique and gives the global minimiser (as in trust-region theory). Found in
+    float64 on a bracket where ``F(lo) < 1`` (``F(mu) <= max(gm^2) / (min m^2 - mu)^2``, so
+    ``lo = min m^2 - max|g m| - 1`` works), shrunk 64-fold per round: 12 rounds reach 2^-72
+    of the bracket, below float64 resolution.
+
+    Hard case: when every coordinate attaining ``min m^2`` has ``g_k m_k = 0``, F may stay below 1
+    up to ``min m^2``. Then ``mu = min m^2``, the other coordinates take the regular formula and the
+    remaining norm goes into one minimising coordinate (PAPER.md section 5, from the audit).
+
+    Args:
+        g: (d,) the target branch output.
+        m: (d,) the post-norm scale.
+
+    Returns:
+        An `RmsFit` in float64.
+    """
+    g64, m64 = g.double(), m.double()
+    n = g64.numel()
+    gm = g64 * m64
+    gm2, m2 = gm * gm, m64 * m64
+    m2_min = m2.min()
+    at_min = m2 == m2_min
+    # F just below min m^2: infinite unless every minimising coordinate has g m = 0.
+    if not bool((gm[at_min] != 0).any()):
+        others = ~at_min
+        f_edge = (gm2[others] / (m2[others] - m2_min) ** 2).sum() / n
+        if bool(f_edge <= 1):
+            y = torch.zeros_like(g64)
+            y[others] = gm[others] / (m2[others] - m2_min)
+            rest = (n - (y * y).sum()).clamp_min(0)
+            j = int(torch.nonzero(at_min)[0])
+            y[j] = rest.sqrt()
+            return RmsFit(y=y, mu=float(m2_min), hard_case=True)
+    lo = m2_min - gm.abs().max() - 1.0
+    hi = m2_min.clone()
+    # Bracketed search with no host round trip: each round evaluates F at 63 interior points
+    # and keeps the sub-interval where F crosses 1 (F is increasing), shrinking it 64-fold.
+    frac = torch.arange(1, 64, dtype=torch.float64, device=g.device) / 64.0
+    for _ in range(rounds):
+        pts = lo + (hi - lo) * frac  # (63,)
+        k = (_secular(gm2, m2, pts[:, None]) < 1).sum()
+        grid = torch.cat([lo.reshape(1), pts, hi.reshape(1)])
+        lo, hi = grid[k], grid[k + 1]
+    mu = lo  # F(lo) <= 1 side: keeps the denominator away from zero
+    y = gm / (m2 - mu)
+    return RmsFit(y=y, mu=float(mu), hard_case=False)
+
+
+def stable_down_target(g: Tensor, m: Tensor, c_rms: Tensor) -> tuple[Tensor, bool]:
+    """The down-projection output whose normalized, scaled value best matches ``g`` (App. B.2).
+
+    Args:
+        g: (d,) target branch output ``dv + m * N(h_down,C)``.
+        m: (d,) post-norm scale.
+        c_rms: () the fixed RMS value, ``RMS(h_down,C)`` (keeps the down patch small).
+
+    Returns:
+        ``(h_target, hard_case)`` with ``h_target = c_rms * y`` in ``g``'s dtype.
+    """
+    fit = solve_rms_fit(g, m)
+    return (c_rms.double() * fit.y).to(g.dtype), fit.hard_case
+
+
+def reachable_shift_bound(m: Tensor) -> float:
+    """PAPER.md section 7: with ``m`` frozen, the branch ``m * N(.)`` moves by at most
+    ``2 sqrt(d) max|m|``; a larger attention shift cannot be absorbed upstream of the norm."""
+    return float(2.0 * m.numel() ** 0.5 * m.abs().max())

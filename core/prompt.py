@@ -1,0 +1,149 @@
+"""Segments -> full ids, reduced ids and positions: the only place that decides them.
+
+A prompt is an ordered list of segments (template text, context, query), each tokenized on its
+own and concatenated, so the reduced sequence is an exact id-level sub-sequence of the full one.
+
+- Absorb mode "context": Y = the context segments. The reduced sequence is the full one without
+  them, then the generated history; positions are 0..n-1 (the model simply never saw the context).
+- Absorb mode "all" (the paper's protocol): Y = everything before the current token. The reduced
+  sequence is the current token alone at its absolute position (optionally after BOS at 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from core.errors import UserError
+
+ABSORB_MODES = ("context", "all")
+
+#: Appended to a non-empty context before the query; it belongs to the context (is absorbed).
+CONTEXT_SEPARATOR = "\n\n"
+
+_CTX, _QRY = "\x00CTXPATCH_CONTEXT\x00", "\x00CTXPATCH_QUERY\x00"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One piece of the prompt: ``kind`` is "template", "context" or "query"."""
+
+    kind: str
+    text: str
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The tokenized prompt; its segments concatenate to the full-context ids."""
+
+    segments: tuple[Segment, ...]
+    bos_id: int | None = None
+
+    @property
+    def full_ids(self) -> tuple[int, ...]:
+        return tuple(i for s in self.segments for i in s.ids)
+
+    @property
+    def reduced_prompt_ids(self) -> tuple[int, ...]:
+        """The prompt without its context segments (absorb mode "context")."""
+        return tuple(i for s in self.segments if s.kind != "context" for i in s.ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "segments": [{"kind": s.kind, "text": s.text, "ids": list(s.ids)} for s in self.segments],
+            "full_input_ids": list(self.full_ids),
+            "reduced_input_ids": list(self.reduced_prompt_ids),
+        }
+
+
+def _encode(tokenizer: Any, text: str) -> tuple[int, ...]:
+    if not text:
+        return ()
+    return tuple(int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _adds_bos(tokenizer: Any) -> bool:
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bool(ids) and ids[0] == bos
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def build_prompt(tokenizer: Any, context: str, query: str, chat_template: bool = False) -> Prompt:
+    """Split a context and a query into tokenized segments.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        context: text to absorb (may be empty with absorb mode "all").
+        query: text kept in the reduced sequence.
+        chat_template: wrap both in the tokenizer's chat template as one user turn with the
+            generation prompt; else raw text after BOS (the paper's setting).
+    """
+    ctx_text = context + CONTEXT_SEPARATOR if context else ""
+    segments: list[Segment] = []
+    if chat_template:
+        if not has_chat_template(tokenizer):
+            raise UserError("this tokenizer has no chat template: run without --chat-template")
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": (_CTX if context else "") + _QRY}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        head, _, tail = rendered.partition(_QRY)
+        pre, _, _ = head.partition(_CTX) if context else (head, "", "")
+        pieces = [("template", pre), ("context", ctx_text), ("query", query), ("template", tail)]
+        segments = [Segment(k, t, _encode(tokenizer, t)) for k, t in pieces if t]
+    else:
+        if _adds_bos(tokenizer):
+            bos = tokenizer.bos_token_id
+            segments.append(Segment("template", tokenizer.convert_ids_to_tokens(bos), (bos,)))
+        for kind, text in (("context", ctx_text), ("query", query)):
+            if text:
+                segments.append(Segment(kind, text, _encode(tokenizer, text)))
+    return Prompt(tuple(segments), bos_id=getattr(tokenizer, "bos_token_id", None))
+
+
+def check_prompt(prompt: Prompt, absorb: str) -> None:
+    """Reject prompts the chosen absorb mode cannot run, with one clear line."""
+    if absorb not in ABSORB_MODES:
+        raise UserError(f"unknown absorb mode {absorb!r}: use one of {', '.join(ABSORB_MODES)}")
+    if not prompt.full_ids:
+        raise UserError("the prompt is empty: give a context and/or a query")
+    if absorb == "context":
+        if not any(s.kind == "context" and s.ids for s in prompt.segments):
+            raise UserError(
+                "the context is empty: with absorb 'context' there is nothing to absorb "
+                "(give a context, or use absorb 'all')"
+            )
+        if not any(s.kind == "query" and s.ids for s in prompt.segments):
+            raise UserError(
+                "the query is empty: with absorb 'context' the patched model needs query tokens "
+                "(type a query, or use absorb 'all')"
+            )
+
+
+def reduced_sequence(
+    prompt: Prompt, history: Sequence[int], absorb: str, keep_bos: bool = False
+) -> tuple[list[int], list[int] | None]:
+    """The reduced input ids and their position ids (None for 0..n-1).
+
+    Args:
+        prompt: the tokenized prompt.
+        history: tokens generated so far (the baseline's, under teacher forcing).
+        absorb: "context" or "all".
+        keep_bos: with "all", keep BOS at position 0 before the current token.
+    """
+    if absorb == "all":
+        full = list(prompt.full_ids) + list(history)
+        current, position = full[-1], len(full) - 1
+        if keep_bos and prompt.bos_id is not None and full[0] == prompt.bos_id and position > 0:
+            return [prompt.bos_id, current], [0, position]
+        return [current], [position]
+    return list(prompt.reduced_prompt_ids) + list(history), None

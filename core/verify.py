@@ -1,0 +1,158 @@
+"""Re-apply saved patches with plain transformers: no hooks, no engine.
+
+For each step of a patches file, the patches are written into the weights (``W += outer(u, v)``,
+``b += delta``; the originals are restored in ``finally``), the model runs on the step's reduced
+input ids, and its last-position logits are compared with the unpatched model on the full ids.
+With scope "query" the reduced prefix runs with the original weights into a KV cache first and
+only the last token runs with the patched weights, which is what that scope means.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.errors import Cancelled, UserError
+from core.export import PATCHES_FORMAT
+from core.loading import LoadedModel
+
+_NAME = re.compile(r"^step\.(\d+)\.(.+?)(?:\[(\d+)\])?\.(u|v|delta)$")
+
+
+@dataclass
+class PatchFile:
+    """A parsed patches file: metadata and, per step, parameter -> patch tensors."""
+
+    metadata: dict[str, str]
+    steps: list[dict[str, Any]]
+    patches: dict[int, dict[tuple[str, int | None], dict[str, torch.Tensor]]] = field(
+        default_factory=dict
+    )
+
+
+def read_patches(path: str | Path) -> PatchFile:
+    """Read and check a patches file; any problem is a `UserError` naming the file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import safe_open
+
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"no such patches file: {path}")
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise UserError(f"cannot read patches file {path}: {str(exc).splitlines()[0]}") from None
+    if metadata.get("format") != PATCHES_FORMAT:
+        raise UserError(f"{path} is not a ctxpatch patches file (format {metadata.get('format')!r})")
+    try:
+        steps = json.loads(metadata["steps"])
+    except (KeyError, json.JSONDecodeError):
+        raise UserError(f"{path} has no readable step list in its metadata") from None
+    pf = PatchFile(metadata=metadata, steps=steps)
+    for key, tensor in tensors.items():
+        m = _NAME.match(key)
+        if m is None:
+            raise UserError(f"{path}: unexpected tensor name {key!r}")
+        step, param, index, part = int(m[1]), m[2], m[3], m[4]
+        slot = pf.patches.setdefault(step, {}).setdefault((param, None if index is None else int(index)), {})
+        slot[part] = tensor
+    return pf
+
+
+@contextmanager
+def materialized(model: torch.nn.Module, patches: dict[tuple[str, int | None], dict[str, torch.Tensor]]
+                 ) -> Iterator[None]:
+    """Write patches into the model's parameters; restore the originals in ``finally``."""
+    params = dict(model.named_parameters())
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            for (name, index), parts in patches.items():
+                if name not in params:
+                    raise UserError(f"the patches name parameter {name!r}, which this model lacks")
+                p = params[name]
+                target = p if index is None else p[index]
+                ct = torch.float64 if p.dtype == torch.float64 else torch.float32
+                if "delta" in parts:
+                    d = parts["delta"].to(p.device, ct)
+                else:
+                    d = torch.outer(parts["u"].to(p.device, ct), parts["v"].to(p.device, ct))
+                if d.shape != target.shape:
+                    raise UserError(
+                        f"patch for {name} has shape {tuple(d.shape)}, the parameter {tuple(target.shape)}"
+                    )
+                saved.append((target, target.detach().clone()))
+                target.copy_((target.to(ct) + d).to(p.dtype))
+        yield
+    finally:
+        with torch.no_grad():
+            for target, original in reversed(saved):
+                target.copy_(original)
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    step: int
+    match: bool
+    linf: float
+    tvd: float
+    scale: float  # max |full-context logits|
+
+
+def verify_patches(
+    loaded: LoadedModel,
+    pf: PatchFile,
+    progress: Callable[[int, int], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> list[StepCheck]:
+    """Compare patched-weights reduced logits with the full-context logits at every step."""
+    from transformers import DynamicCache
+
+    model, device = loaded.model, loaded.device
+    query_scope = pf.metadata.get("scope") == "query"
+    checks: list[StepCheck] = []
+
+    def run(ids: list[int], positions: list[int] | None = None, cache: Any = None) -> torch.Tensor:
+        kwargs: dict[str, Any] = {"logits_to_keep": 1, "use_cache": cache is not None}
+        if cache is not None:
+            kwargs["cache"] = cache
+        if positions is not None:
+            kwargs["position_ids"] = torch.tensor([positions], device=device)
+        out = model(input_ids=torch.tensor([ids], device=device), **kwargs)
+        return out.logits[0, -1].to("cpu", torch.float64)
+
+    with torch.inference_mode():
+        for t, meta in enumerate(pf.steps):
+            if should_stop is not None and should_stop():
+                raise Cancelled
+            full = run(meta["full_input_ids"])
+            red, pos = meta["reduced_input_ids"], meta["reduced_position_ids"]
+            step_patches = pf.patches.get(t, {})
+            if query_scope and len(red) > 1:
+                cache = DynamicCache(config=model.config)
+                run(red[:-1], None if pos is None else pos[:-1], cache=cache)
+                with materialized(model, step_patches):
+                    patched = run(red[-1:], None if pos is None else pos[-1:], cache=cache)
+            else:
+                with materialized(model, step_patches):
+                    patched = run(red, pos)
+            pf_, pp = torch.softmax(full, -1), torch.softmax(patched, -1)
+            checks.append(StepCheck(
+                step=t,
+                match=int(full.argmax()) == int(patched.argmax()),
+                linf=float((full - patched).abs().max()),
+                tvd=float(0.5 * (pf_ - pp).abs().sum()),
+                scale=float(full.abs().max()),
+            ))
+            if progress:
+                progress(t + 1, len(pf.steps))
+    return checks

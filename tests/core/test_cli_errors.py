@@ -1,0 +1,128 @@
+"""Bad input on the command line: exit status 2 and one clear line, no traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tiny import gemma3_config, tiny_tokenizer
+
+from app.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A saved tiny Gemma 3 model folder with its tokenizer."""
+    from tiny import tiny_loaded
+
+    folder = tmp_path_factory.mktemp("tiny-gemma3")
+    loaded = tiny_loaded(gemma3_config(), dtype=__import__("torch").float32)
+    loaded.model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _err(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    code = main([*argv, "--quiet"] if argv[0] == "compare" else argv)
+    captured = capsys.readouterr()
+    assert code == 2, captured.err
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("ctxpatch: error: ")
+    assert "Traceback" not in captured.err and not captured.out
+    return lines[0]
+
+
+def test_unknown_model_id(capsys: pytest.CaptureFixture[str]) -> None:
+    line = _err(capsys, ["compare", "--model", "nobody/no-such-model-xyz", "--context", "c", "--query", "hi"])
+    assert "not found" in line
+
+
+def test_missing_folder(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    line = _err(capsys, ["compare", "--model", str(tmp_path / "missing"), "--context", "c", "--query", "hi"])
+    assert "no such folder" in line
+
+
+def test_folder_without_config(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    line = _err(capsys, ["compare", "--model", str(tmp_path), "--context", "c", "--query", "hi"])
+    assert "config.json" in line
+
+
+def test_unsupported_architecture_names_supported(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from transformers import BertConfig
+
+    BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8).save_pretrained(tmp_path)
+    line = _err(capsys, ["compare", "--model", str(tmp_path), "--context", "c", "--query", "hi"])
+    assert "unsupported architecture" in line and "Gemma 3" in line and "Llama" in line
+
+
+def test_empty_query_with_absorb_context(capsys: pytest.CaptureFixture[str], tiny_folder: Path) -> None:
+    line = _err(capsys, ["compare", "--model", str(tiny_folder), "--context", "The fox.", "--query", ""])
+    assert "query is empty" in line
+
+
+@pytest.mark.parametrize("spec", ["x", "1:2:3", "99", "3,,", "-99:", ","])
+def test_malformed_layers(capsys: pytest.CaptureFixture[str], tiny_folder: Path, spec: str) -> None:
+    line = _err(capsys, ["compare", "--model", str(tiny_folder), "--absorb", "all",
+                         "--query", "The fox.", f"--layers={spec}"])
+    assert "layer" in line
+
+
+def test_bad_option_value(capsys: pytest.CaptureFixture[str]) -> None:
+    line = _err(capsys, ["compare", "--method", "magic"])
+    assert "magic" in line
+
+
+def test_unreadable_patches_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    bad = tmp_path / "p.safetensors"
+    bad.write_bytes(b"\x00not a safetensors file")
+    line = _err(capsys, ["verify", str(bad)])
+    assert "cannot read patches file" in line
+    line = _err(capsys, ["verify", str(tmp_path / "missing.safetensors")])
+    assert "no such patches file" in line
+
+
+def test_unwritable_output(capsys: pytest.CaptureFixture[str], tiny_folder: Path, tmp_path: Path) -> None:
+    line = _err(capsys, ["compare", "--model", str(tiny_folder), "--absorb", "all", "--query", "The fox.",
+                         "--max-new-tokens", "1", "--json", str(tmp_path / "nope" / "run.json")])
+    assert "cannot write" in line
+
+
+def test_compare_and_verify_end_to_end(capsys: pytest.CaptureFixture[str], tiny_folder: Path, tmp_path: Path) -> None:
+    out, patches = tmp_path / "run.json", tmp_path / "p.safetensors"
+    code = main(["compare", "--model", str(tiny_folder), "--dtype", "float64", "--context", "The quick brown fox.",
+                 "--query", "Hello world!", "--max-new-tokens", "3", "--json", str(out),
+                 "--save-patches", str(patches), "--csv", str(tmp_path / "s.csv"), "--quiet"])
+    assert code == 0
+    run = json.loads(out.read_text())
+    assert run["schema_version"] == 1
+    assert run["settings"]["absorb"] == "context" and run["settings"]["dtype"] == "float64"
+    assert len(run["steps"]) == 3 and all(s["match"] for s in run["steps"])
+    assert set(run["steps"][0]) >= {"baseline_token", "patched_token", "match", "linf", "tvd", "control",
+                                    "top_k", "patch_norms"}
+    norms = run["steps"][0]["patch_norms"]["0"]
+    assert "model.layers.0.mlp.gate_proj.weight" in norms
+    assert "model.layers.0.post_feedforward_layernorm.weight" in norms
+    assert run["prompt"]["reduced_input_ids"] == [i for s in run["prompt"]["segments"] if s["kind"] != "context" for i in s["ids"]]
+    capsys.readouterr()
+    assert main(["verify", str(patches), "--model", str(tiny_folder)]) == 0
+    assert capsys.readouterr().out.startswith("verified: 3/3 tokens match")
+
+
+def test_core_never_imports_qt() -> None:
+    code = ("import sys, core, core.compare, core.engine, core.export, core.verify, core.loading;"
+            "bad=[m for m in sys.modules if m.startswith(('PySide6','pyqtgraph','PyQt'))];"
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_cli_start_does_not_import_torch() -> None:
+    code = "import sys, app.cli; sys.exit(1 if 'torch' in sys.modules else 0)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

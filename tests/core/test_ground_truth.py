@@ -1,0 +1,144 @@
+"""Ground truth per architecture, on tiny random models in float64 (STYLE.md 17).
+
+(a) the hook-patched reduced run's logits equal the full-context logits at every step;
+(b) the saved patches, written into the weights, reproduce them with plain transformers;
+(c) dropping a required patch breaks the equality (negative control).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from tiny import gemma3_config, llama_config, tiny_loaded
+
+from core.compare import Settings, iter_token_patches
+from core.export import save_patches
+from core.prompt import build_prompt
+from core.verify import read_patches, verify_patches
+
+CONTEXT = "The quick brown fox jumps over the lazy dog."
+QUERY = "Hello world!"
+TOKENS = 5
+EXACT = 1e-6  # of the logit scale
+
+FAMILIES = {
+    "gemma3": lambda: gemma3_config(layers=4),
+    "llama": lambda: llama_config("llama"),
+    "mistral": lambda: llama_config("mistral"),
+    "qwen2": lambda: llama_config("qwen2"),
+    "qwen3": lambda: llama_config("qwen3"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def loaded(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    return tiny_loaded(FAMILIES[request.param]())
+
+
+def _run(loaded, **kw):  # type: ignore[no-untyped-def]
+    prompt = build_prompt(loaded.tokenizer, CONTEXT, QUERY)
+    settings = Settings(max_new_tokens=TOKENS, **kw)
+    return prompt, settings, list(iter_token_patches(loaded, prompt, settings))
+
+
+def _plain_logits(model: torch.nn.Module, ids: tuple[int, ...]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([list(ids)])).logits[0, -1]
+
+
+@pytest.mark.parametrize(
+    "method,absorb,scope",
+    list(itertools.product(["direct", "stable"], ["context", "all"], ["all-positions", "query"])),
+)
+def test_patched_equals_full_context(loaded, method: str, absorb: str, scope: str) -> None:  # type: ignore[no-untyped-def]
+    _, _, steps = _run(loaded, method=method, absorb=absorb, scope=scope)
+    assert len(steps) == TOKENS
+    for s in steps:
+        assert s.patched.match
+        assert s.patched.linf <= EXACT * s.logit_scale, (s.step, s.patched.linf, s.logit_scale)
+        # the context matters: the unpatched reduced model is clearly off
+        assert s.control.linf > 1e3 * EXACT * s.logit_scale
+        # every patched layer ended on its full-context block output
+        assert max(i["block_error"] for i in s.layer_info.values()) < 1e-5
+
+
+def test_baseline_is_plain_greedy_generation(loaded) -> None:  # type: ignore[no-untyped-def]
+    prompt, _, steps = _run(loaded, absorb="context")
+    ids = torch.tensor([list(prompt.full_ids)])
+    with torch.no_grad():
+        out = loaded.model.generate(ids, max_new_tokens=TOKENS, do_sample=False, min_new_tokens=TOKENS)
+    assert [s.baseline_token for s in steps] == out[0, ids.shape[1]:].tolist()
+    for s in steps:  # and the baseline logits scale is that of the plain full forward
+        full = _plain_logits(loaded.model, s.full_input_ids)
+        assert abs(float(full.abs().max()) - s.logit_scale) < 1e-9
+
+
+@pytest.mark.parametrize("absorb,scope", [("context", "all-positions"), ("context", "query"), ("all", "all-positions")])
+@pytest.mark.parametrize("method", ["direct", "stable"])
+def test_saved_patches_reproduce_with_plain_weights(loaded, tmp_path, absorb, scope, method) -> None:  # type: ignore[no-untyped-def]
+    _, settings, steps = _run(loaded, absorb=absorb, scope=scope, method=method, keep_patches=True)
+    path = tmp_path / "p.safetensors"
+    save_patches(path, steps, "tiny", "float64", settings)
+    before = {n: p.detach().clone() for n, p in loaded.model.named_parameters()}
+    checks = verify_patches(loaded, read_patches(path))
+    assert len(checks) == TOKENS
+    for c in checks:
+        assert c.match
+        # the run applied the float32 patches it saved, so only rounding is left
+        assert c.linf <= 1e-6 * c.scale
+    for n, p in loaded.model.named_parameters():  # the weights were restored
+        assert torch.equal(p, before[n]), n
+
+
+def test_negative_controls(loaded) -> None:  # type: ignore[no-untyped-def]
+    """Without the output patch, or without the input patches (direct), the logits differ."""
+    for disabled in ({"output"}, {"input"}):
+        _, _, steps = _run(loaded, method="direct", disabled=frozenset(disabled))
+        worst = max(s.patched.linf / s.logit_scale for s in steps)
+        assert worst > 1e3 * EXACT, disabled
+
+
+def test_verify_detects_a_missing_patch(loaded, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from safetensors.numpy import load_file, save_file
+    from safetensors import safe_open
+
+    _, settings, steps = _run(loaded, absorb="context", keep_patches=True)
+    path = tmp_path / "p.safetensors"
+    save_patches(path, steps, "tiny", "float64", settings)
+    with safe_open(str(path), framework="np") as f:
+        meta = f.metadata()
+    tensors = load_file(str(path))
+    dropped = {k: v for k, v in tensors.items() if ".mlp.gate_proj." not in k}
+    assert len(dropped) < len(tensors)
+    save_file(dropped, str(path), metadata=meta)
+    checks = verify_patches(loaded, read_patches(path))
+    assert max(c.linf / c.scale for c in checks) > 1e-3
+
+
+def test_layer_selection(loaded) -> None:  # type: ignore[no-untyped-def]
+    """Patching layers s..L is exact (the first patched layer absorbs all upstream mismatch);
+    a selection that leaves the last layer unpatched is not (its attention still differs)."""
+    n = len(loaded.adapter.layers(loaded.model))
+    for spec, chosen in ((f"{n - 2}:", {n - 2, n - 1}), (f"{n - 1}", {n - 1}), ("1,3", {1, 3})):
+        _, _, steps = _run(loaded, absorb="all", layers=spec)
+        for s in steps:
+            assert set(s.layer_info) == chosen
+            assert s.patched.linf <= 1e-5 * s.logit_scale, spec
+    _, _, steps = _run(loaded, absorb="all", layers=f":{n - 1}")
+    assert max(s.patched.linf / s.logit_scale for s in steps) > 1e-3
+
+
+def test_hooks_are_removed_after_runs_and_cancel(loaded) -> None:  # type: ignore[no-untyped-def]
+    calls = {"n": 0}
+
+    def stop() -> bool:
+        calls["n"] += 1
+        return calls["n"] > 3  # stop inside the first step, between layers
+
+    prompt = build_prompt(loaded.tokenizer, CONTEXT, QUERY)
+    steps = list(iter_token_patches(loaded, prompt, Settings(max_new_tokens=3), should_stop=stop))
+    assert steps == []
+    for module in loaded.model.modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks

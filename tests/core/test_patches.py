@@ -1,0 +1,134 @@
+"""Unit tests of the patch mathematics (PAPER.md sections 2, 4, 5, 7)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from core.patches import (
+    matrix_output_patch,
+    rank1_input_patch,
+    reachable_shift_bound,
+    rms_normalize,
+    scale_patch,
+    solve_rms_fit,
+    stable_down_target,
+)
+
+torch.set_default_dtype(torch.float64)
+
+
+def _objective(m: torch.Tensor, y: torch.Tensor, g: torch.Tensor) -> float:
+    return float(((m * y - g) ** 2).sum())
+
+
+def _sphere(x: torch.Tensor) -> torch.Tensor:
+    return x / x.pow(2).mean().sqrt()
+
+
+def test_rank1_input_patch_maps_z_to_full_context_output() -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(7, 5, generator=g)
+    z, z_c = torch.randn(5, generator=g), torch.randn(5, generator=g)
+    r = rank1_input_patch(w @ z_c, w @ z, z)
+    assert r is not None
+    patched = w + torch.outer(r.u, r.a)
+    torch.testing.assert_close(patched @ z, w @ z_c, rtol=1e-12, atol=1e-12)
+    # the paper's closed form W (z_C - z) z^T / |z|^2
+    torch.testing.assert_close(torch.outer(r.u, r.a), w @ torch.outer(z_c - z, z) / z.dot(z))
+    assert math.isclose(r.frobenius(), float(torch.outer(r.u, r.a).norm()), rel_tol=1e-12)
+
+
+def test_rank1_input_patch_refuses_zero_input() -> None:
+    assert rank1_input_patch(torch.ones(3), torch.zeros(3), torch.zeros(4)) is None
+    assert matrix_output_patch(torch.ones(3), torch.zeros(4)) is None
+
+
+def test_matrix_output_patch_adds_shift() -> None:
+    g = torch.Generator().manual_seed(2)
+    w, h, dv = torch.randn(4, 6, generator=g), torch.randn(6, generator=g), torch.randn(4, generator=g)
+    r = matrix_output_patch(dv, h)
+    assert r is not None
+    torch.testing.assert_close((w + torch.outer(r.u, r.a)) @ h, w @ h + dv)
+
+
+def test_scale_patch_divides_by_one_at_zeros() -> None:
+    n = torch.tensor([2.0, 0.0, -4.0])
+    dm, zeros = scale_patch(torch.tensor([1.0, 3.0, 2.0]), n)
+    assert zeros == 1
+    torch.testing.assert_close(dm, torch.tensor([0.5, 3.0, -0.5]))
+
+
+def test_rms_fit_recovers_a_reachable_target() -> None:
+    g = torch.Generator().manual_seed(3)
+    m = torch.randn(64, generator=g).abs() + 0.2
+    y_true = _sphere(torch.randn(64, generator=g))
+    fit = solve_rms_fit(m * y_true, m)
+    assert not fit.hard_case
+    torch.testing.assert_close(fit.y, y_true, rtol=1e-9, atol=1e-9)
+    assert abs(fit.mu) < 1e-9
+
+
+def test_rms_fit_is_the_global_minimiser() -> None:
+    g = torch.Generator().manual_seed(4)
+    for trial in range(20):
+        m = torch.randn(32, generator=g) * (0.1 + trial / 10)
+        target = torch.randn(32, generator=g) * 3
+        fit = solve_rms_fit(target, m)
+        assert math.isclose(float(fit.y.pow(2).mean()), 1.0, rel_tol=1e-9)
+        assert fit.mu < float((m * m).min())
+        best = _objective(m, fit.y, target)
+        for _ in range(200):  # no random feasible point does better
+            other = _sphere(torch.randn(32, generator=g))
+            assert best <= _objective(m, other, target) + 1e-9
+        # and no nearby feasible point either (local optimality on the sphere)
+        for _ in range(50):
+            near = _sphere(fit.y + 1e-3 * torch.randn(32, generator=g))
+            assert best <= _objective(m, near, target) + 1e-12
+
+
+def test_rms_fit_hard_case() -> None:
+    # m_0 = 0 attains min m^2 and g_0 m_0 = 0; the other coordinates are small, so F stays < 1.
+    m = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    target = torch.tensor([5.0, 0.1, 0.1, 0.1])
+    fit = solve_rms_fit(target, m)
+    assert fit.hard_case
+    assert fit.mu == 0.0
+    assert torch.isfinite(fit.y).all()
+    assert math.isclose(float(fit.y.pow(2).mean()), 1.0, rel_tol=1e-12)
+    g = torch.Generator().manual_seed(5)
+    best = _objective(m, fit.y, target)
+    for _ in range(2000):
+        assert best <= _objective(m, _sphere(torch.randn(4, generator=g)), target) + 1e-9
+
+
+def test_stable_down_target_has_the_fixed_rms() -> None:
+    g = torch.Generator().manual_seed(6)
+    m, target = torch.randn(16, generator=g), torch.randn(16, generator=g)
+    h, hard = stable_down_target(target, m, torch.tensor(2.5))
+    assert not hard
+    assert math.isclose(float(h.pow(2).mean().sqrt()), 2.5, rel_tol=1e-9)
+
+
+def test_counterexample_frozen_scale_cannot_reach_large_shift() -> None:
+    """PAPER.md section 7: with m frozen, m * N(.) is bounded, so a large dv is unreachable."""
+    g = torch.Generator().manual_seed(7)
+    d = 16
+    m = torch.randn(d, generator=g)
+    bound = reachable_shift_bound(m)
+    assert math.isclose(bound, 2 * math.sqrt(d) * float(m.abs().max()))
+    h_c = torch.randn(d, generator=g)
+    base = m * rms_normalize(h_c, 1e-6)
+    dv = torch.randn(d, generator=g)
+    dv = dv / dv.norm() * (1.5 * bound)
+    goal = base + dv
+    # the best any upstream change (W_gate, W_up, W_down) can do: the optimal point on the RMS
+    # sphere, whatever its RMS (the norm output is scale invariant)
+    fit = solve_rms_fit(goal, m)
+    residual = float((m * fit.y - goal).norm())
+    assert residual >= float(dv.norm()) - bound > 0
+    # while a shift inside the bound is reached exactly when it is of the branch's form
+    reachable = m * _sphere(torch.randn(d, generator=g))
+    fit2 = solve_rms_fit(reachable, m)
+    assert float((m * fit2.y - reachable).norm()) < 1e-9

@@ -1,0 +1,113 @@
+"""Tiny random models and an offline tokenizer for tests (no downloads)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Write a single-sentence weather forecast for Mars, from the perspective of a robot:",
+    "Context and parameter updates are equivalent in modern transformer blocks.",
+    "Hello world! 123 456 789. Ünïcödé and emoji 🙂 are bytes too.",
+]
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_tokenizer(vocab_size: int = 320) -> Any:
+    """A byte-level BPE tokenizer trained on a few sentences, with <pad>=0, <eos>=1, <bos>=2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<eos>", "<bos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tk.train_from_iterator(CORPUS, trainer)
+    tk.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", 2)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+    )
+
+
+def randomize_norms(model: torch.nn.Module, seed: int = 0, scale: float = 0.5) -> None:
+    """Give every norm's weight and bias random values (the zero/one init hides cast-order bugs)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if "norm" not in type(module).__name__.lower():
+                continue
+            for p in module.parameters(recurse=False):
+                noise = torch.randn(p.shape, generator=g, dtype=torch.float64) * scale
+                p.add_(noise.to(p.dtype))
+
+
+def gemma3_config(layers: int = 4, vocab: int = 320) -> Any:
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=4,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * (layers // 3)
+        + ["sliding_attention"] * (layers % 3),
+        max_position_embeddings=512,
+        query_pre_attn_scalar=16,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+
+
+def llama_config(model_type: str = "llama", layers: int = 4, vocab: int = 320) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        model_type,
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        tie_word_embeddings=False,
+    )
+
+
+def tiny_loaded(config: Any, dtype: torch.dtype = torch.float64, seed: int = 0) -> Any:
+    """A `LoadedModel` of a random model built from ``config``."""
+    from transformers import AutoModelForCausalLM
+
+    from core.adapters import adapter_for_config
+    from core.loading import LoadedModel
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    randomize_norms(model, seed)
+    return LoadedModel(
+        model=model,
+        tokenizer=tiny_tokenizer(config.vocab_size),
+        adapter=adapter_for_config(config),
+        spec=f"tiny-{config.model_type}",
+        source="memory",
+        dtype=dtype,
+        device=torch.device("cpu"),
+    )
