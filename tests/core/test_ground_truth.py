@@ -142,3 +142,14 @@ def test_hooks_are_removed_after_runs_and_cancel(loaded) -> None:  # type: ignor
     assert steps == []
     for module in loaded.model.modules():
         assert not module._forward_hooks and not module._forward_pre_hooks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_lower_precisions_run_and_stay_close(family: str, dtype: torch.dtype) -> None:
+    low = tiny_loaded(FAMILIES[family](), dtype=dtype)
+    for method in ("direct", "stable"):
+        _, _, steps = _run(low, method=method, scope="query")
+        for s in steps:
+            assert s.patched.match
+            assert s.patched.linf < 0.05 * s.control.linf
