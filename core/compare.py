@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.engine import LayerPatch, PatchSpec, compute_dtype, patching, recording
+from core.engine import LayerPatch, PatchSpec, compute_dtype, last_logits, patching, recording
 from core.errors import Cancelled, UserError
 from core.loading import LoadedModel
 from core.patches import Delta, Rank1
@@ -276,20 +276,6 @@ def _rollback(cache: Any) -> Iterator[None]:
             layer.__dict__.update(state)
 
 
-def _forward(model: Any, ids: Sequence[int], device: torch.device, cache: Any = None,
-             positions: Sequence[int] | None = None) -> torch.Tensor:
-    """Last-position logits as a float64 CPU vector."""
-    kwargs: dict[str, Any] = {"logits_to_keep": 1}
-    if cache is not None:
-        kwargs.update(cache=cache, use_cache=True)
-    else:
-        kwargs["use_cache"] = False
-    if positions is not None:
-        kwargs["position_ids"] = torch.tensor([list(positions)], device=device)
-    out = model(input_ids=torch.tensor([list(ids)], device=device), **kwargs)
-    return out.logits[0, -1].detach().to("cpu", torch.float64)
-
-
 def _eos_ids(loaded: LoadedModel) -> set[int]:
     ids: set[int] = set()
     for source in (getattr(loaded.model, "generation_config", None), loaded.tokenizer):
@@ -375,27 +361,27 @@ def iter_token_patches(
                     return
                 t0 = time.perf_counter()
                 with recording(all_layers, sites, dtype, should_stop) as targets:
-                    base = _forward(model, feed, device, cache=base_cache)
+                    base = last_logits(model, feed, device, cache=base_cache)
                 t1 = time.perf_counter()
                 red_ids, red_pos = reduced_sequence(prompt, history, settings.absorb, settings.keep_bos)
                 if cached_query:
                     assert ctrl_cache is not None
                     if len(red_ids) - 1 > ctrl_len:
-                        _forward(model, red_ids[ctrl_len:-1], device, cache=ctrl_cache)
+                        last_logits(model, red_ids[ctrl_len:-1], device, cache=ctrl_cache)
                         ctrl_len = len(red_ids) - 1
                     with _rollback(ctrl_cache), patching(
                         all_layers, sites, targets, spec, names, dtype, should_stop
                     ) as lps:
-                        patched = _forward(model, red_ids[-1:], device, cache=ctrl_cache)
+                        patched = last_logits(model, red_ids[-1:], device, cache=ctrl_cache)
                 else:
                     with patching(all_layers, sites, targets, spec, names, dtype, should_stop) as lps:
-                        patched = _forward(model, red_ids, device, positions=red_pos)
+                        patched = last_logits(model, red_ids, device, positions=red_pos)
                 t2 = time.perf_counter()
                 if ctrl_cache is not None:
-                    ctrl = _forward(model, red_ids[ctrl_len:], device, cache=ctrl_cache)
+                    ctrl = last_logits(model, red_ids[ctrl_len:], device, cache=ctrl_cache)
                     ctrl_len = len(red_ids)
                 else:
-                    ctrl = _forward(model, red_ids, device, positions=red_pos)
+                    ctrl = last_logits(model, red_ids, device, positions=red_pos)
                 t3 = time.perf_counter()
                 base_probs = torch.softmax(base, -1)
                 token = int(base.argmax())

@@ -16,7 +16,7 @@ Forward activations are ``(batch=1, seq, width)``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,6 +120,20 @@ def _replace_output(output: Any, new: Tensor) -> Any:
 def _q(x: Tensor, dtype: torch.dtype) -> Tensor:
     """The query (last) position of a (1, seq, width) activation, as a (width,) copy."""
     return x[0, -1].detach().to(dtype).clone()
+
+
+def last_logits(model: Any, ids: Sequence[int], device: torch.device, cache: Any = None,
+                positions: Sequence[int] | None = None) -> torch.Tensor:
+    """Last-position logits as a float64 CPU vector."""
+    kwargs: dict[str, Any] = {"logits_to_keep": 1}
+    if cache is not None:
+        kwargs.update(cache=cache, use_cache=True)
+    else:
+        kwargs["use_cache"] = False
+    if positions is not None:
+        kwargs["position_ids"] = torch.tensor([list(positions)], device=device)
+    out = model(input_ids=torch.tensor([list(ids)], device=device), **kwargs)
+    return out.logits[0, -1].detach().to("cpu", torch.float64)
 
 
 @contextmanager

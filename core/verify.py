@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from core.engine import last_logits
 from core.errors import Cancelled, UserError
 from core.export import PATCHES_FORMAT
 from core.loading import LoadedModel
@@ -122,13 +123,7 @@ def verify_patches(
     checks: list[StepCheck] = []
 
     def run(ids: list[int], positions: list[int] | None = None, cache: Any = None) -> torch.Tensor:
-        kwargs: dict[str, Any] = {"logits_to_keep": 1, "use_cache": cache is not None}
-        if cache is not None:
-            kwargs["cache"] = cache
-        if positions is not None:
-            kwargs["position_ids"] = torch.tensor([positions], device=device)
-        out = model(input_ids=torch.tensor([ids], device=device), **kwargs)
-        return out.logits[0, -1].to("cpu", torch.float64)
+        return last_logits(model, ids, device, cache=cache, positions=positions)
 
     with torch.inference_mode():
         for t, meta in enumerate(pf.steps):
