@@ -22,7 +22,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.engine import LayerPatch, PatchSpec, compute_dtype, last_logits, patching, recording
+from core.engine import (
+    LayerPatch,
+    PatchSpec,
+    compute_dtype,
+    last_logits,
+    logit_distance,
+    patching,
+    recording,
+)
 from core.errors import Cancelled, UserError
 from core.loading import LoadedModel
 from core.patches import Delta, Rank1
@@ -202,15 +210,15 @@ def _top_k(tokenizer: Any, probs: torch.Tensor, k: int) -> TopK:
 
 def _side(tokenizer: Any, logits: torch.Tensor, base: torch.Tensor, base_probs: torch.Tensor,
           k: int) -> Side:
-    probs = torch.softmax(logits, -1)
     token = int(logits.argmax())
+    match, linf, tvd = logit_distance(logits, base, base_probs)
     return Side(
         token=token,
         text=_decode(tokenizer, token),
-        match=token == int(base.argmax()),
-        linf=float((logits - base).abs().max()),
-        tvd=float(0.5 * (probs - base_probs).abs().sum()),
-        top_k=_top_k(tokenizer, probs, k),
+        match=match,
+        linf=linf,
+        tvd=tvd,
+        top_k=_top_k(tokenizer, torch.softmax(logits, -1), k),
     )
 
 

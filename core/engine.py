@@ -136,6 +136,15 @@ def last_logits(model: Any, ids: Sequence[int], device: torch.device, cache: Any
     return out.logits[0, -1].detach().to("cpu", torch.float64)
 
 
+def logit_distance(logits: Tensor, base: Tensor, base_probs: Tensor | None = None
+                   ) -> tuple[bool, float, float]:
+    """(argmax match, max |logits - base|, TVD = half the L1 distance of the softmaxes)."""
+    if base_probs is None:
+        base_probs = torch.softmax(base, -1)
+    tvd = 0.5 * (torch.softmax(logits, -1) - base_probs).abs().sum()
+    return int(logits.argmax()) == int(base.argmax()), float((logits - base).abs().max()), float(tvd)
+
+
 @contextmanager
 def _hook_scope() -> Iterator[Callable[[Any], None]]:
     handles: list[Any] = []

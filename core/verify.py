@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from core.engine import last_logits
+from core.engine import last_logits, logit_distance
 from core.errors import Cancelled, UserError
 from core.export import PATCHES_FORMAT
 from core.loading import LoadedModel
@@ -122,32 +122,24 @@ def verify_patches(
     query_scope = pf.metadata.get("scope") == "query"
     checks: list[StepCheck] = []
 
-    def run(ids: list[int], positions: list[int] | None = None, cache: Any = None) -> torch.Tensor:
-        return last_logits(model, ids, device, cache=cache, positions=positions)
-
     with torch.inference_mode():
         for t, meta in enumerate(pf.steps):
             if should_stop is not None and should_stop():
                 raise Cancelled
-            full = run(meta["full_input_ids"])
+            full = last_logits(model, meta["full_input_ids"], device)
             red, pos = meta["reduced_input_ids"], meta["reduced_position_ids"]
             step_patches = pf.patches.get(t, {})
             if query_scope and len(red) > 1:
                 cache = DynamicCache(config=model.config)
-                run(red[:-1], None if pos is None else pos[:-1], cache=cache)
+                last_logits(model, red[:-1], device, cache, None if pos is None else pos[:-1])
                 with materialized(model, step_patches):
-                    patched = run(red[-1:], None if pos is None else pos[-1:], cache=cache)
+                    patched = last_logits(model, red[-1:], device, cache, None if pos is None else pos[-1:])
             else:
                 with materialized(model, step_patches):
-                    patched = run(red, pos)
-            pf_, pp = torch.softmax(full, -1), torch.softmax(patched, -1)
-            checks.append(StepCheck(
-                step=t,
-                match=int(full.argmax()) == int(patched.argmax()),
-                linf=float((full - patched).abs().max()),
-                tvd=float(0.5 * (pf_ - pp).abs().sum()),
-                scale=float(full.abs().max()),
-            ))
+                    patched = last_logits(model, red, device, positions=pos)
+            match, linf, tvd = logit_distance(patched, full)
+            checks.append(StepCheck(step=t, match=match, linf=linf, tvd=tvd,
+                                    scale=float(full.abs().max())))
             if progress:
                 progress(t + 1, len(pf.steps))
     return checks
