@@ -76,8 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Context Patch Lab: a prompt's effect, rewritten as exact weight patches.",
     )
     parser.add_argument("--version", action="version", version=f"ctxpatch {__version__}")
-    parser.add_argument("--model", default="demo", help="model for the window (default: demo)")
-    parser.add_argument("--screenshot", metavar="FILE", help=argparse.SUPPRESS)
+    parser.add_argument("--screenshot", metavar="FILE",
+                        help="open the window, run the comparison given by the options below, "
+                             "save a PNG of the window to FILE and exit")
+    window = parser.add_argument_group(
+        "window options", "prefill the window (the same meaning as in 'compare'; "
+        "options not given keep the window's saved settings)")
+    _compare_options(window)
+    for action in window._group_actions:
+        action.default = argparse.SUPPRESS
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     compare = sub.add_parser(
         "compare", help="run one comparison headless", epilog=EXAMPLES_COMPARE,
@@ -107,7 +114,7 @@ class _Progress:
             print(f"{message}{suffix}", file=sys.stderr, flush=True)
 
 
-def _check_outputs(*paths: str | None) -> None:
+def check_outputs(*paths: str | None) -> None:
     """Fail before any work when an output cannot be written (nothing computed is lost)."""
     for path in paths:
         if path is None or path == "-":
@@ -158,7 +165,7 @@ def run_compare(args: argparse.Namespace) -> int:
         raise UserError("the context is empty: with absorb 'context' there is nothing to absorb "
                         "(give --context, or use --absorb all)")
     parse_layers(args.layers, None)  # syntax now; the range once the model is known
-    _check_outputs(args.json, args.csv, args.save_patches, args.report)
+    check_outputs(args.json, args.csv, args.save_patches, args.report)
     loaded = _load(args, args.dtype, say)
     prompt = build_prompt(loaded.tokenizer, args.context, args.query, args.chat_template)
     steps = []
@@ -202,7 +209,7 @@ def run_verify(args: argparse.Namespace) -> int:
     from core.verify import read_patches, verify_patches
 
     say = _Progress(False)
-    _check_outputs(args.json)
+    check_outputs(args.json)
     pf = read_patches(args.patches)
     dtype = args.dtype or pf.metadata.get("dtype", "float32")
     if args.model is None:

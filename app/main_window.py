@@ -1,22 +1,422 @@
-"""The main window. For now a minimal one: it names the model and points to the command line;
-the full window (model, input, generation, plots and patch panels) is its own issue."""
+"""The main window: it assembles the panels, owns the one worker thread, and keeps settings.
+
+Data flows one way: the panels' inputs -> a job on the worker (app/jobs.py) -> plain results in
+`RunState` -> the views. The window holds the loaded model only as an opaque handle to give back
+to the next job; it never calls it.
+"""
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QLabel, QMainWindow
+import json
+import logging
+from typing import Any
+
+from PySide6.QtCore import QEvent, QSettings, Qt, QTimer, Signal
+from PySide6.QtGui import QAction, QCloseEvent, QKeySequence, QPalette
+from PySide6.QtWidgets import (
+    QFileDialog,
+    QHBoxLayout,
+    QLabel,
+    QMainWindow,
+    QProgressBar,
+    QSplitter,
+    QTabWidget,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.jobs import ModelReady, RunStarted, load_job, run_job
+from app.panels.generation_panel import QtGenerationPanel
+from app.panels.input_panel import QtInputPanel
+from app.panels.model_panel import QtModelPanel
+from app.panels.patch_panel import QtPatchPanel
+from app.panels.plots_panel import QtPlotsPanel
+from app.state import RunState
+from app.worker import Worker
+
+log = logging.getLogger("ctxpatch")
+SETTINGS_VERSION = 1
+
+
+def apply_plot_palette(palette: QPalette, widgets: tuple[Any, ...] = ()) -> None:
+    """Plots follow the system's light or dark palette (pyqtgraph defaults to black)."""
+    import pyqtgraph as pg
+
+    background, foreground = palette.base().color(), palette.text().color()
+    pg.setConfigOptions(background=background, foreground=foreground, antialias=True)
+    for w in widgets:
+        w.setBackground(background)
+
+
+class _ErrorBanner(QWidget):
+    """One clear line about what went wrong; the window keeps working."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.label = QLabel()
+        self.label.setWordWrap(True)
+        self.label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        close = QToolButton()
+        close.setText("✕")
+        close.setToolTip("Dismiss")
+        close.clicked.connect(self.hide)
+        layout = QHBoxLayout(self)
+        layout.setContentsMargins(8, 4, 4, 4)
+        layout.addWidget(self.label, 1)
+        layout.addWidget(close)
+        self.setStyleSheet("background-color:#c62828; color:white; border-radius:3px;")
+        self.setAutoFillBackground(True)
+        self.hide()
+
+    def show_message(self, message: str) -> None:
+        self.label.setText(message)
+        self.show()
 
 
 class MainWindow(QMainWindow):
-    def __init__(self, model: str = "demo") -> None:
+    #: a requested run ended: "completed", "cancelled" or "failed"
+    run_finished = Signal(str)
+    model_ready = Signal()
+    #: a worker was created and is about to start (tests connect to it directly)
+    worker_created = Signal(object)
+
+    def __init__(self, model: str | None = None, settings: QSettings | None = None,
+                 autoload: bool = True, options: dict[str, Any] | None = None) -> None:
         super().__init__()
-        self.setWindowTitle(f"ctxpatch — {model}")
-        label = QLabel(
-            f"<h2>ctxpatch</h2><p>Model: <b>{model}</b></p>"
-            "<p>The interactive window is under construction. Run a comparison with<br>"
-            "<code>ctxpatch compare --absorb all --query \"…\"</code></p>"
-        )
-        label.setAlignment(Qt.AlignmentFlag.AlignCenter)
-        label.setTextFormat(Qt.TextFormat.RichText)
-        self.setCentralWidget(label)
-        self.resize(720, 420)
+        self.setWindowTitle("ctxpatch — Context Patch Lab")
+        self.settings = settings if settings is not None else QSettings("ctxpatch", "ctxpatch")
+        self.state = RunState()
+        self.model: ModelReady | None = None
+        self.worker: Worker | None = None
+        self._kind = ""
+        self._run_after_load = False
+        self._outcome = ""
+        self.last_error = ""
+
+        apply_plot_palette(self.palette())
+        self.model_panel = QtModelPanel()
+        self.input_panel = QtInputPanel()
+        self.generation = QtGenerationPanel(self.state)
+        self.plots = QtPlotsPanel(self.state)
+        self.patches = QtPatchPanel(self.state)
+        self.banner = _ErrorBanner()
+        self._build_layout()
+        self._build_status_bar()
+        self._build_actions()
+
+        self.model_panel.load_requested.connect(self.load_model)
+        self.input_panel.run_requested.connect(self.start_run)
+        self.input_panel.cancel_requested.connect(self.cancel)
+        self.input_panel.preset_chosen.connect(self._on_preset)
+        self.state.subscribe(self._on_state)
+
+        self._restore()
+        if model is not None:
+            self.model_panel.model.setCurrentText(model)
+        if options:
+            self.apply_options(options)
+        self._autosave = QTimer(self)
+        self._autosave.timeout.connect(self.save_settings)
+        self._autosave.start(30_000)
+        if autoload:
+            QTimer.singleShot(0, self.load_model)
+
+    # -- building -------------------------------------------------------------------------------
+    def _build_layout(self) -> None:
+        left = QWidget()
+        lv = QVBoxLayout(left)
+        lv.setContentsMargins(0, 0, 0, 0)
+        lv.addWidget(self.model_panel)
+        lv.addWidget(self.input_panel, 1)
+        self.tabs = QTabWidget()
+        self.tabs.addTab(self.plots, "Per-token plots")
+        self.tabs.addTab(self.patches, "Patch explorer")
+        right = QSplitter(Qt.Orientation.Vertical)
+        right.addWidget(self.generation)
+        right.addWidget(self.tabs)
+        right.setStretchFactor(0, 1)
+        right.setStretchFactor(1, 1)
+        self.right_splitter = right
+        self.main_splitter = QSplitter()
+        self.main_splitter.addWidget(left)
+        self.main_splitter.addWidget(right)
+        self.main_splitter.setStretchFactor(1, 1)
+        self.main_splitter.setSizes([360, 1000])
+        central = QWidget()
+        cv = QVBoxLayout(central)
+        cv.addWidget(self.banner)
+        cv.addWidget(self.main_splitter, 1)
+        self.setCentralWidget(central)
+        self.resize(1400, 900)
+
+    def _build_status_bar(self) -> None:
+        self.status_label = QLabel("Ready")
+        self.progress = QProgressBar()
+        self.progress.setMaximumWidth(260)
+        self.progress.hide()
+        self.device_label = QLabel("")
+        bar = self.statusBar()
+        bar.addWidget(self.status_label, 1)
+        bar.addPermanentWidget(self.progress)
+        bar.addPermanentWidget(self.device_label)
+
+    def _action(self, menu: Any, text: str, shortcut: Any, slot: Any) -> QAction:
+        action = QAction(text, self)
+        action.setShortcut(QKeySequence(shortcut))
+        action.triggered.connect(slot)
+        menu.addAction(action)
+        return action
+
+    def _build_actions(self) -> None:
+        bar = self.menuBar()
+        file = bar.addMenu("&File")
+        self._action(file, "&Open model folder…", QKeySequence.StandardKey.Open,
+                     self._on_open_folder)
+        self.save_action = self._action(file, "&Save run as JSON…", QKeySequence.StandardKey.Save,
+                                        lambda: self.export("json"))
+        self.export_action = self._action(file, "&Export per-token CSV…", "Ctrl+E",
+                                          lambda: self.export("csv"))
+        file.addSeparator()
+        self._action(file, "&Quit", QKeySequence.StandardKey.Quit, self.close)
+        run = bar.addMenu("&Run")
+        self.run_action = self._action(run, "&Run comparison", "Ctrl+Return", self.start_run)
+        self.cancel_action = self._action(run, "&Cancel", "Esc", self.cancel)
+        self._action(run, "&Load model", "Ctrl+L", self.load_model)
+        view = bar.addMenu("&View")
+        self._action(view, "&Previous token", "Alt+Left", lambda: self._step_selection(-1))
+        self._action(view, "&Next token", "Alt+Right", lambda: self._step_selection(+1))
+        self._action(view, "Per-token &plots", "Ctrl+1", lambda: self.tabs.setCurrentIndex(0))
+        self._action(view, "Patch &explorer", "Ctrl+2", lambda: self.tabs.setCurrentIndex(1))
+
+    # -- model and runs -------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self.worker is not None
+
+    def load_model(self, run_after: bool = False) -> None:
+        if self.busy:
+            return
+        key = self.model_panel.key()
+        self.model = None  # free the old model's memory before loading the next
+        self.model_panel.set_loaded("loading…")
+        self._run_after_load = run_after
+        self._start(load_job(*key), "load", f"Loading {key[0]} ({key[1]}, {key[2]})…")
+
+    def start_run(self) -> None:
+        if self.busy:
+            return
+        self.banner.hide()
+        self.save_settings()
+        if self.model is None or self.model.key != self.model_panel.key():
+            self.load_model(run_after=True)
+            return
+        inputs = self.input_panel.values()
+        settings = {"max_new_tokens": inputs["max_new_tokens"], **self.model_panel.options()}
+        job = run_job(self.model, inputs["context"], inputs["query"], inputs["chat_template"],
+                      settings)
+        self._start(job, "run", "Running…")
+
+    def cancel(self) -> None:
+        if self.worker is not None:
+            self.worker.requestInterruption()
+            self.status_label.setText("Cancelling: stopping before the next layer or token…")
+
+    def _start(self, job: Any, kind: str, message: str) -> None:
+        worker = Worker(job, self)
+        worker.loaded.connect(self._on_loaded)
+        worker.run_started.connect(self._on_run_started)
+        worker.token_done.connect(self.state.add_step)
+        worker.progress.connect(self._on_progress)
+        worker.completed.connect(lambda: self._set_outcome("completed"))
+        worker.cancelled.connect(lambda: self._set_outcome("cancelled"))
+        worker.failed.connect(self._on_failed)
+        worker.finished.connect(self._on_worker_finished)
+        self.worker, self._kind, self._outcome = worker, kind, ""
+        self.input_panel.set_busy(True)
+        self.progress.setRange(0, 0)
+        self.progress.show()
+        self.status_label.setText(message)
+        self.worker_created.emit(worker)
+        worker.start()
+
+    def _set_outcome(self, outcome: str) -> None:
+        self._outcome = outcome
+
+    def _on_progress(self, message: str, done: int, total: int) -> None:
+        if total > 0:
+            self.progress.setRange(0, total)
+            self.progress.setValue(done)
+        if self._kind == "load":
+            self.status_label.setText(message)
+
+    def _on_loaded(self, ready: ModelReady) -> None:
+        self.model = ready
+        info = ready.info
+        self.model_panel.remember(ready.key[0])
+        self.model_panel.set_controls(ready.output_controls)
+        self.model_panel.set_loaded(
+            f"{info['class']} ({info['family']}), {info['num_layers']} layers, "
+            f"{info['dtype']} on {info['device']}, in {ready.seconds:.1f} s")
+        self.input_panel.set_chat_template_available(ready.has_chat_template)
+        self.device_label.setText(f"{info['device']} · {info['dtype']}")
+        self.model_ready.emit()
+
+    def _on_run_started(self, started: RunStarted) -> None:
+        self.state.reset(started)
+        self.progress.setRange(0, started.settings["max_new_tokens"])
+        self.progress.setValue(0)
+        self.tabs.setEnabled(True)
+
+    def _on_failed(self, message: str) -> None:
+        self._outcome = "failed"
+        self.show_error(message)
+
+    def _on_worker_finished(self) -> None:
+        worker, kind, outcome = self.worker, self._kind, self._outcome or "failed"
+        self.worker = None
+        if worker is not None:
+            worker.deleteLater()
+        self.input_panel.set_busy(False)
+        self.progress.hide()
+        if kind == "load":
+            if outcome != "completed" and self.model is None:
+                self.model_panel.set_loaded("not loaded")
+            if outcome == "completed":
+                self.status_label.setText(f"Loaded {self.model_panel.spec()}")
+            elif outcome == "cancelled":
+                self.status_label.setText("Loading cancelled")
+            if self._run_after_load:
+                self._run_after_load = False
+                if outcome == "completed":
+                    self.start_run()
+                else:
+                    self.run_finished.emit(outcome)
+            return
+        if self.state.running:
+            self.state.finish()
+        self._report_run(outcome)
+        self.run_finished.emit(outcome)
+
+    def _report_run(self, outcome: str) -> None:
+        s = self.state.summary()
+        if outcome == "failed":
+            self.status_label.setText("Run failed (see the message above)")
+            return
+        word = "Done" if outcome == "completed" else "Cancelled"
+        self.status_label.setText(
+            f"{word}: {s['tokens']} tokens in {s['seconds']:.1f} s — patched {s['matches']}/"
+            f"{s['tokens']} match, max L∞ {s['max_linf']:.3g}; control {s['control_matches']}/"
+            f"{s['tokens']}, max L∞ {s['control_max_linf']:.3g}")
+
+    def show_error(self, message: str) -> None:
+        self.last_error = message
+        log.warning("%s", message)
+        self.banner.show_message(message)
+        self.status_label.setText("Error")
+
+    # -- selection, presets, export -------------------------------------------------------------
+    def _on_state(self, event: str) -> None:
+        if event == "step" and self.state.started is not None:
+            n = len(self.state.steps)
+            self.progress.setRange(0, self.state.max_tokens)
+            self.progress.setValue(n)
+            self.status_label.setText(f"Running: token {n}/{self.state.max_tokens}")
+
+    def _step_selection(self, delta: int) -> None:
+        if not self.state.steps:
+            return
+        current = self.state.selected
+        if current is None:
+            self.state.select(len(self.state.steps) - 1 if delta < 0 else 0)
+        else:
+            self.state.select(current + delta)
+
+    def _on_preset(self, preset: dict[str, Any]) -> None:
+        if preset.get("absorb"):
+            self.model_panel.absorb.setCurrentText(preset["absorb"])
+
+    def _on_open_folder(self) -> None:
+        self.model_panel.browse_folder()
+
+    def export(self, kind: str, path: str | None = None) -> bool:
+        """Write the current run as JSON or CSV; returns whether a file was written."""
+        if not self.state.steps or self.state.started is None:
+            self.show_error("nothing to export yet: run a comparison first")
+            return False
+        if path is None:
+            filters = {"json": "Run JSON (*.json)", "csv": "Per-token CSV (*.csv)"}
+            path, _ = QFileDialog.getSaveFileName(self, "Export", f"ctxpatch-run.{kind}",
+                                                  filters[kind])
+            if not path:
+                return False
+        from core.compare import Settings
+        from core.errors import UserError
+        from core.export import run_record, steps_csv, write_json, write_text
+
+        started = self.state.started
+        known = {k: v for k, v in started.settings.items()
+                 if k not in ("context", "query", "chat_template")}
+        extra = {k: started.settings[k] for k in ("context", "query", "chat_template")}
+        extra.update(model=started.model["id"], dtype=started.model["dtype"],
+                     device=started.model["device"])
+        try:
+            if kind == "json":
+                write_json(path, run_record(started.model, started.prompt,
+                                            Settings.from_dict(known), self.state.steps, extra))
+            else:
+                write_text(path, steps_csv(self.state.steps))
+        except (UserError, OSError) as exc:
+            self.show_error(f"cannot write {path}: {exc}")
+            return False
+        self.status_label.setText(f"Saved {path}")
+        return True
+
+    # -- settings -------------------------------------------------------------------------------
+    def apply_options(self, options: dict[str, Any]) -> None:
+        """Fill the panels from command-line style options (model, dtype, query, ...)."""
+        self.model_panel.restore({"recent": self.model_panel.recent(), **options})
+        if "model" in options:
+            self.model_panel.model.setCurrentText(str(options["model"]))
+        self.input_panel.restore(options)
+
+    def save_settings(self) -> None:
+        s = self.settings
+        s.setValue("version", SETTINGS_VERSION)
+        s.setValue("window/geometry", self.saveGeometry())
+        s.setValue("window/main_splitter", self.main_splitter.saveState())
+        s.setValue("window/right_splitter", self.right_splitter.saveState())
+        s.setValue("panels/model", json.dumps(self.model_panel.save()))
+        s.setValue("panels/input", json.dumps(self.input_panel.save()))
+        s.sync()
+
+    def _restore(self) -> None:
+        s = self.settings
+        for key, restore in (("window/geometry", self.restoreGeometry),
+                             ("window/main_splitter", self.main_splitter.restoreState),
+                             ("window/right_splitter", self.right_splitter.restoreState)):
+            value = s.value(key)
+            if value is not None:
+                restore(value)
+        for key, panel in (("panels/model", self.model_panel), ("panels/input", self.input_panel)):
+            raw = s.value(key)
+            try:
+                data = json.loads(raw) if isinstance(raw, str) else None
+            except ValueError:
+                data = None
+            if isinstance(data, dict):
+                panel.restore(data)
+
+    def changeEvent(self, event: QEvent) -> None:  # noqa: N802 - Qt override
+        if hasattr(self, "plots") and event.type() in (
+                QEvent.Type.PaletteChange, QEvent.Type.ApplicationPaletteChange):
+            apply_plot_palette(self.palette(), (self.plots.graphics, self.patches.graphics))
+            self.generation.apply_palette()
+        super().changeEvent(event)
+
+    def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt override
+        self.save_settings()
+        if self.worker is not None:
+            self.worker.requestInterruption()
+            self.worker.wait(10_000)
+        super().closeEvent(event)

@@ -19,6 +19,7 @@ import torch
 
 from core.adapters import Adapter, adapter_for_config
 from core.errors import Cancelled, UserError
+from core.footprint import cache_dir, demo_folder
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -86,20 +87,6 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise UserError("device 'mps' is not available here: use --device cpu")
     return device
-
-
-def cache_dir() -> Path:
-    """Where ctxpatch keeps converted models (platform conventions; CTXPATCH_CACHE overrides)."""
-    override = os.environ.get("CTXPATCH_CACHE")
-    if override:
-        return Path(override)
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("ctxpatch", appauthor=False))
-
-
-def demo_folder() -> Path:
-    return cache_dir() / "demo" / "gemma-3-270m"
 
 
 def _demo_ready(folder: Path) -> bool:

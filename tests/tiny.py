@@ -111,3 +111,12 @@ def tiny_loaded(config: Any, dtype: torch.dtype = torch.float64, seed: int = 0) 
         dtype=dtype,
         device=torch.device("cpu"),
     )
+
+
+def save_tiny_folder(folder: Any, config: Any | None = None, seed: int = 0) -> Any:
+    """Write a tiny random Llama (random norms) and the tiny tokenizer as a model folder, the
+    way a user's local checkpoint looks; returns the folder."""
+    loaded = tiny_loaded(config or llama_config(), dtype=torch.float32, seed=seed)
+    loaded.model.save_pretrained(folder)
+    loaded.tokenizer.save_pretrained(folder)
+    return folder

@@ -1,0 +1,95 @@
+"""The jobs the worker thread runs: load a model, run a comparison.
+
+A job is a function ``job(should_stop, progress)`` returning an iterator of plain payloads. This
+module is the only place in `app/` that touches the model, and it runs only on the worker thread;
+core is imported inside the jobs so that opening the window never waits for torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+StopFn = Callable[[], bool]
+ProgressFn = Callable[[str, int, int], None]
+Job = Callable[[StopFn, ProgressFn], Iterator[Any]]
+
+
+@dataclass(frozen=True)
+class ModelReady:
+    """A loaded model. ``handle`` is opaque to the GUI: it is only passed back to `run_job`."""
+
+    handle: Any
+    key: tuple[str, str, str]  # (spec, dtype, device) as the user asked
+    info: dict[str, Any]  # LoadedModel.describe(): class, family, dtype, device, layers, versions
+    has_chat_template: bool
+    output_controls: tuple[str, ...]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class RunStarted:
+    """What a run is about to do, before its first token."""
+
+    settings: dict[str, Any]  # Settings.to_dict() plus context, query, chat_template
+    prompt: Any  # core.prompt.Prompt (plain ids and segments)
+    layers: tuple[int, ...]  # the patched layers
+    num_layers: int
+    control: str  # the output control in use
+    model: dict[str, Any]
+
+
+def load_job(spec: str, dtype: str, device: str) -> Job:
+    def job(should_stop: StopFn, progress: ProgressFn) -> Iterator[Any]:
+        from transformers.utils import logging as hf_logging
+
+        from core.loading import load_model
+        from core.prompt import has_chat_template
+
+        hf_logging.disable_progress_bar()
+        start = time.perf_counter()
+        progress(f"Loading {spec}…", 0, 0)
+        loaded = load_model(spec, dtype=dtype, device=device, progress=progress,
+                            should_stop=should_stop)
+        yield ModelReady(
+            handle=loaded,
+            key=(spec, dtype, device),
+            info=loaded.describe(),
+            has_chat_template=has_chat_template(loaded.tokenizer),
+            output_controls=tuple(loaded.adapter.output_controls),
+            seconds=time.perf_counter() - start,
+        )
+
+    return job
+
+
+def run_job(model: ModelReady, context: str, query: str, chat_template: bool,
+            settings: dict[str, Any]) -> Job:
+    """A comparison: one `RunStarted`, then one `core.compare.StepResult` per token."""
+
+    def job(should_stop: StopFn, progress: ProgressFn) -> Iterator[Any]:
+        from core.compare import Settings, iter_token_patches, parse_layers, resolve_control
+        from core.prompt import build_prompt, check_prompt
+
+        loaded = model.handle
+        s = Settings.from_dict(settings)
+        s.validate()
+        prompt = build_prompt(loaded.tokenizer, context, query, chat_template)
+        check_prompt(prompt, s.absorb)
+        n = int(model.info["num_layers"])
+        yield RunStarted(
+            settings={**s.to_dict(), "context": context, "query": query,
+                      "chat_template": chat_template},
+            prompt=prompt,
+            layers=tuple(parse_layers(s.layers, n)),
+            num_layers=n,
+            control=resolve_control(loaded, s),
+            model=model.info,
+        )
+        for i, step in enumerate(iter_token_patches(loaded, prompt, s, should_stop)):
+            progress(f"token {i + 1}/{s.max_new_tokens}", i + 1, s.max_new_tokens)
+            yield step
+
+    return job

@@ -1,0 +1,1 @@
+"""One module per panel of the main window; each view wraps the Qt-free `RunState`."""

@@ -1,0 +1,196 @@
+"""Side-by-side generation: the model with the context, and the patched model without it.
+
+Tokens are shown faithfully (spaces kept, newlines and tabs drawn as ↵ and →, every script as
+is), alternately tinted so their boundaries show; a mismatching step is marked in both panes.
+Hovering or clicking a token selects it: the details below show both top-k lists and the step's
+metrics, and the plots and the patch explorer follow.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+from PySide6.QtCore import Qt, QUrl
+from PySide6.QtWidgets import QLabel, QSplitter, QTextBrowser, QVBoxLayout, QWidget
+
+from app.state import RunState
+
+
+def token_html(text: str) -> str:
+    """A token's text as rich text that keeps every character visible and in place."""
+    if text == "":
+        return '<span style="color:gray">∅</span>'
+    out = html.escape(text, quote=False)
+    out = out.replace("\r", "␍").replace("\t", "→\t").replace("\n", "↵<br>")
+    return out
+
+
+def is_dark(widget: QWidget) -> bool:
+    return widget.palette().window().color().lightness() < 128
+
+
+COLORS = {  # (light palette, dark palette)
+    "mismatch": ("#ffb3b3", "#8a2b2b"),
+    "selected": ("#ffe97a", "#7a6a00"),
+    "tint": ("#e9eef7", "#2b3442"),
+}
+
+
+class _Pane(QWidget):
+    def __init__(self, title: str, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.title = QLabel(title)
+        self.view = QTextBrowser()
+        self.view.setOpenLinks(False)
+        self.view.setOpenExternalLinks(False)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self.title)
+        layout.addWidget(self.view)
+
+
+class QtGenerationPanel(QWidget):
+    def __init__(self, state: RunState, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.state = state
+        self.baseline = _Pane("<b>With context</b> (original model)")
+        self.patched = _Pane("<b>Without context, patched</b>")
+        self.details = QTextBrowser()
+        self.details.setMinimumHeight(120)
+        self.details.setPlaceholderText("Hover or click a token to see both top-k lists.")
+        panes = QSplitter()
+        panes.addWidget(self.baseline)
+        panes.addWidget(self.patched)
+        outer = QSplitter(Qt.Orientation.Vertical)
+        outer.addWidget(panes)
+        outer.addWidget(self.details)
+        outer.setStretchFactor(0, 1)
+        outer.setStretchFactor(1, 1)
+        self.splitter = outer
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(outer)
+        for pane in (self.baseline, self.patched):
+            pane.view.anchorClicked.connect(self._on_anchor)
+            pane.view.highlighted.connect(self._on_anchor)
+        state.subscribe(self._on_state)
+
+    # -- events ---------------------------------------------------------------------------------
+    def _on_anchor(self, url: QUrl) -> None:
+        text = url.toString()
+        if text.startswith("#t"):
+            self.state.select(int(text[2:]))
+
+    def _on_state(self, event: str) -> None:
+        if event in ("reset", "step", "selection", "finished"):
+            self._render()
+        if event in ("reset", "selection", "step"):
+            self._render_details()
+
+    # -- rendering ------------------------------------------------------------------------------
+    def _prefixes(self) -> tuple[str, str]:
+        """The prompt each side sees, in grey: all of it with the context; without it, the
+        reduced prompt (template and query), or nothing when the whole prompt is absorbed."""
+        started = self.state.started
+        if started is None:
+            return "", ""
+        segments = started.prompt.segments
+        full = "".join(seg.text for seg in segments)
+        if started.settings.get("absorb") == "all":
+            reduced = None
+        else:
+            reduced = "".join(seg.text for seg in segments if seg.kind != "context")
+
+        def grey(text: str) -> str:
+            return f'<span style="color:gray">{token_html(text)}</span>' if text else ""
+
+        note = '<span style="color:gray"><i>[the whole prompt is in the patches]</i> </span>'
+        return grey(full), note if reduced is None else grey(reduced)
+
+    def _spans(self, texts: list[str], prefix: str) -> str:
+        dark = int(is_dark(self))
+        parts = [prefix]
+        for s, text in zip(self.state.steps, texts, strict=True):
+            if s.step == self.state.selected:
+                bg = COLORS["selected"][dark]
+            elif not s.patched.match:
+                bg = COLORS["mismatch"][dark]
+            else:
+                bg = COLORS["tint"][dark] if s.step % 2 else "transparent"
+            color = self.palette().text().color().name()
+            style = f"background-color:{bg}; color:{color}; text-decoration:none"
+            if not s.patched.match:
+                style += "; font-weight:bold"
+            parts.append(f'<a href="#t{s.step}" style="{style}">{token_html(text)}</a>')
+        return '<div style="white-space:pre-wrap">' + "".join(parts) + "</div>"
+
+    def _render(self) -> None:
+        steps = self.state.steps
+        full, reduced = self._prefixes()
+        for pane, texts, prefix in (
+            (self.baseline, [s.baseline_text for s in steps], full),
+            (self.patched, [s.patched.text for s in steps], reduced),
+        ):
+            bar = pane.view.verticalScrollBar()
+            at_end = bar.value() >= bar.maximum() - 2
+            keep = bar.value()
+            pane.view.setHtml(self._spans(texts, prefix))
+            bar.setValue(bar.maximum() if at_end and self.state.running else keep)
+        n, total = len(steps), self.state.max_tokens
+        if steps:
+            matches = sum(s.patched.match for s in steps)
+            self.patched.title.setText(
+                f"<b>Without context, patched</b> — {matches}/{n} tokens match")
+            self.baseline.title.setText(
+                f"<b>With context</b> (original model) — {n}/{total} tokens")
+        else:
+            self.baseline.title.setText("<b>With context</b> (original model)")
+            self.patched.title.setText("<b>Without context, patched</b>")
+
+    def _render_details(self) -> None:
+        i = self.state.selected
+        if i is None or i >= len(self.state.steps):
+            self.details.setHtml("")
+            return
+        self.details.setHtml(step_details_html(self.state.steps[i]))
+
+    def apply_palette(self) -> None:
+        self._render()
+
+    def pane_texts(self) -> tuple[str, str]:
+        """The two panes' plain text (for tests and copy)."""
+        return self.baseline.view.toPlainText(), self.patched.view.toPlainText()
+
+
+def _topk_rows(s: Any) -> str:
+    rows = []
+    lists = (s.baseline_top_k, s.patched.top_k, s.control.top_k)
+    for r in range(len(s.baseline_top_k.ids)):
+        cells = []
+        for tk in lists:
+            if r < len(tk.ids):
+                cells.append(f"<td>{token_html(tk.texts[r])}</td>"
+                             f"<td align=right>{tk.probs[r]:.3f}</td>")
+            else:
+                cells.append("<td></td><td></td>")
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    return "".join(rows)
+
+
+def step_details_html(s: Any) -> str:
+    mark = "match" if s.patched.match else "<b style='color:#d03030'>MISMATCH</b>"
+    return (
+        f"<p><b>Token {s.step + 1}</b> (position {s.position}) — {mark}. "
+        f"Logit scale {s.logit_scale:.3g}.</p>"
+        "<table cellspacing=0 cellpadding=3 border=1 style='border-collapse:collapse'>"
+        "<tr><th></th><th>token</th><th>L∞ logit diff</th><th>TVD</th></tr>"
+        f"<tr><td>with context</td><td>{token_html(s.baseline_text)}</td><td>—</td><td>—</td></tr>"
+        f"<tr><td>patched</td><td>{token_html(s.patched.text)}</td>"
+        f"<td>{s.patched.linf:.3g}</td><td>{s.patched.tvd:.3g}</td></tr>"
+        f"<tr><td>control (unpatched)</td><td>{token_html(s.control.text)}</td>"
+        f"<td>{s.control.linf:.3g}</td><td>{s.control.tvd:.3g}</td></tr></table>"
+        "<p>Top-k:</p><table cellspacing=0 cellpadding=3 border=1 style='border-collapse:collapse'>"
+        "<tr><th colspan=2>with context</th><th colspan=2>patched</th>"
+        "<th colspan=2>control</th></tr>" + _topk_rows(s) + "</table>"
+    )

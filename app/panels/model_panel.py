@@ -1,0 +1,163 @@
+"""The model panel: which model, at which precision and where, and how the run patches it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import (
+    QComboBox,
+    QFileDialog,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPushButton,
+    QWidget,
+)
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+DEVICES = ("auto", "cpu", "cuda", "mps")
+METHODS = ("direct", "stable")
+ABSORB = ("context", "all")
+SCOPES = ("all-positions", "query")
+TIPS = {
+    "method": "direct: Theorem 1's controls. stable: Appendix B, most of the output correction "
+              "in the down matrix, the rest in the norm scale.",
+    "absorb": "context: absorb the context segments (template and query stay). "
+              "all: absorb everything before the current token (the paper's protocol).",
+    "scope": "all-positions: patches act on every reduced position (the literal theorem). "
+             "query: on the current position only (faster; exact at the query).",
+    "layers": "Which layers are patched: all, a start like 10:, a range 2:8 or a list 0,5,17. "
+              "The first patched layer absorbs all upstream mismatch.",
+}
+
+
+def _combo(items: tuple[str, ...], editable: bool = False) -> QComboBox:
+    box = QComboBox()
+    box.addItems(list(items))
+    box.setEditable(editable)
+    return box
+
+
+class QtModelPanel(QGroupBox):
+    load_requested = Signal()
+    model_changed = Signal()
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__("Model", parent)
+        self.model = QComboBox()
+        self.model.setEditable(True)
+        self.model.setToolTip("'demo' (Gemma 3 270M), a Hugging Face hub id, or a local folder")
+        self.model.lineEdit().setPlaceholderText("demo, a hub id or a folder")
+        self.browse = QPushButton("Browse…")
+        self.browse.setToolTip("Open a local model folder (Ctrl+O)")
+        self.load = QPushButton("Load")
+        self.load.setToolTip("Load the model now (Run also loads it when needed)")
+        row = QHBoxLayout()
+        row.addWidget(self.model, 1)
+        row.addWidget(self.browse)
+        row.addWidget(self.load)
+        self.dtype = _combo(DTYPES)
+        self.device = _combo(DEVICES, editable=True)
+        self.footprint = QLabel()
+        self.footprint.setWordWrap(True)
+        self.loaded_label = QLabel("not loaded")
+        self.loaded_label.setWordWrap(True)
+        self.method = _combo(METHODS)
+        self.absorb = _combo(ABSORB)
+        self.scope = _combo(SCOPES)
+        self.layers = QLineEdit("all")
+        self.control = _combo(("default",))
+        self.control.setToolTip("The output control that absorbs the attention's shift "
+                                "(default: the paper's choice for the family)")
+        for name in ("method", "absorb", "scope", "layers"):
+            getattr(self, name).setToolTip(TIPS[name])
+        form = QFormLayout(self)
+        form.addRow(row)
+        form.addRow("Precision", self.dtype)
+        form.addRow("Device", self.device)
+        form.addRow("Memory", self.footprint)
+        form.addRow("Loaded", self.loaded_label)
+        form.addRow("Method", self.method)
+        form.addRow("Absorb", self.absorb)
+        form.addRow("Scope", self.scope)
+        form.addRow("Layers", self.layers)
+        form.addRow("Output control", self.control)
+        self.browse.clicked.connect(self.browse_folder)
+        self.load.clicked.connect(self.load_requested)
+        self.model.currentTextChanged.connect(self._on_model_edited)
+        self.dtype.currentTextChanged.connect(self._on_model_edited)
+        self._on_model_edited()
+
+    def browse_folder(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Open a model folder", self.spec())
+        if folder:
+            self.model.setCurrentText(folder)
+
+    def spec(self) -> str:
+        return self.model.currentText().strip() or "demo"
+
+    def key(self) -> tuple[str, str, str]:
+        return (self.spec(), self.dtype.currentText(), self.device.currentText().strip() or "auto")
+
+    def _on_model_edited(self, *_: Any) -> None:
+        from core.footprint import estimate
+
+        fp = estimate(self.spec(), self.dtype.currentText())
+        self.footprint.setText(fp.describe() if fp else "unknown until loaded")
+        self.model_changed.emit()
+
+    def remember(self, spec: str, limit: int = 10) -> None:
+        """Put a successfully loaded model first in the recent list."""
+        items = [self.model.itemText(i) for i in range(self.model.count())]
+        items = [spec] + [s for s in items if s != spec]
+        self.model.blockSignals(True)
+        self.model.clear()
+        self.model.addItems(items[:limit])
+        self.model.setCurrentText(spec)
+        self.model.blockSignals(False)
+
+    def recent(self) -> list[str]:
+        return [self.model.itemText(i) for i in range(self.model.count())]
+
+    def set_controls(self, controls: tuple[str, ...]) -> None:
+        current = self.control.currentText()
+        self.control.clear()
+        self.control.addItems(["default", *controls])
+        if current in controls:
+            self.control.setCurrentText(current)
+
+    def set_loaded(self, text: str) -> None:
+        self.loaded_label.setText(text)
+
+    def options(self) -> dict[str, Any]:
+        control = self.control.currentText()
+        return {
+            "method": self.method.currentText(),
+            "absorb": self.absorb.currentText(),
+            "scope": self.scope.currentText(),
+            "layers": self.layers.text().strip() or "all",
+            "output_control": None if control == "default" else control,
+        }
+
+    def save(self) -> dict[str, Any]:
+        return {"model": self.spec(), "recent": self.recent(), "dtype": self.dtype.currentText(),
+                "device": self.device.currentText(), **self.options()}
+
+    def restore(self, data: dict[str, Any]) -> None:
+        recent = [str(s) for s in (data.get("recent") or []) if s]
+        self.model.blockSignals(True)
+        self.model.clear()
+        self.model.addItems(recent or ["demo"])
+        self.model.setCurrentText(str(data.get("model") or "demo"))
+        self.model.blockSignals(False)
+        for name in ("dtype", "device", "method", "absorb", "scope"):
+            value = data.get(name)
+            box: QComboBox = getattr(self, name)
+            if value and (box.isEditable() or box.findText(str(value)) >= 0):
+                box.setCurrentText(str(value))
+        if data.get("layers"):
+            self.layers.setText(str(data["layers"]))
+        self._on_model_edited()

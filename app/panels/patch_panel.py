@@ -1,0 +1,138 @@
+"""The patch explorer: a layer x token heatmap of patch norms for one parameter (gate, up, down,
+scale, bias...), absolute or relative to the parameter's own norm, and the per-layer profile of
+the selected token. Norms span many decades, so both views are log10.
+
+The colormap is the sequential ``viridis``, not a diverging one (STYLE.md 21 suggests CET-D1):
+log-norms have no natural centre, and a sequential map reads as "bigger" at a glance.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QRectF
+from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
+
+from app.state import RunState
+
+FLOOR = 1e-30
+
+
+class QtPatchPanel(QWidget):
+    def __init__(self, state: RunState, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.state = state
+        self.param = QComboBox()
+        self.param.setToolTip("Which patched parameter to show (names without the layer prefix)")
+        self.scale = QComboBox()
+        self.scale.addItems(["absolute", "relative to the parameter"])
+        self.scale.setToolTip("Frobenius norm of a matrix patch (L2 of a vector patch), or that "
+                              "norm divided by the parameter's own norm")
+        top = QHBoxLayout()
+        top.addWidget(QLabel("Parameter"))
+        top.addWidget(self.param, 1)
+        top.addWidget(QLabel("Norm"))
+        top.addWidget(self.scale)
+        self.graphics = pg.GraphicsLayoutWidget()
+        self.heat_plot = self.graphics.addPlot(row=0, col=0)
+        self.heat_plot.setLabel("bottom", "generated token")
+        self.heat_plot.setLabel("left", "layer")
+        self.image = pg.ImageItem(axisOrder="row-major")
+        self.heat_plot.addItem(self.image)
+        self.bar = pg.ColorBarItem(values=(0, 1), colorMap="viridis", label="log10 norm",
+                                   interactive=False)
+        self.bar.setImageItem(self.image, insert_in=self.heat_plot)
+        self.cursor = pg.InfiniteLine(angle=90, movable=False, pen=pg.mkPen((255, 80, 80), width=1))
+        self.cursor.setVisible(False)
+        self.heat_plot.addItem(self.cursor, ignoreBounds=True)
+        self.profile = self.graphics.addPlot(row=1, col=0)
+        self.profile.setLabel("bottom", "layer")
+        self.profile.setLabel("left", "norm")
+        self.profile.setLogMode(x=False, y=True)
+        self.profile.showGrid(x=True, y=True, alpha=0.2)
+        self.profile_curve = self.profile.plot([], [], pen=pg.mkPen((40, 110, 220), width=2),
+                                               symbol="o", symbolSize=5)
+        self.graphics.ci.layout.setRowStretchFactor(0, 3)
+        self.graphics.ci.layout.setRowStretchFactor(1, 2)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addLayout(top)
+        layout.addWidget(self.graphics)
+        self.param.currentTextChanged.connect(self._on_param)
+        self.scale.currentIndexChanged.connect(self._on_scale)
+        self.graphics.scene().sigMouseClicked.connect(self._on_click)
+        state.subscribe(self._on_state)
+
+    def _on_param(self, text: str) -> None:
+        if text and text != self.state.param:
+            self.state.set_view(param=text)
+
+    def _on_scale(self, index: int) -> None:
+        self.state.set_view(relative=index == 1)
+
+    def _on_click(self, event: object) -> None:
+        pos = event.scenePos()  # type: ignore[attr-defined]
+        if self.heat_plot.sceneBoundingRect().contains(pos):
+            x = self.heat_plot.vb.mapSceneToView(pos).x()
+            self.state.select(int(round(x)) - 1)
+
+    def _on_state(self, event: str) -> None:
+        if event == "reset":
+            self.param.blockSignals(True)
+            self.param.clear()
+            self.param.blockSignals(False)
+        if event in ("reset", "step", "view", "finished"):
+            self._sync_params()
+            self._update_heatmap()
+        if event in ("reset", "step", "view", "selection", "finished"):
+            self._update_profile()
+
+    def _sync_params(self) -> None:
+        keys = self.state.param_keys()
+        if keys != [self.param.itemText(i) for i in range(self.param.count())]:
+            self.param.blockSignals(True)
+            self.param.clear()
+            self.param.addItems(keys)
+            self.param.blockSignals(False)
+        if self.state.param:
+            self.param.setCurrentText(self.state.param)
+
+    def _update_heatmap(self) -> None:
+        layers = self.state.layers()
+        m = self.state.norm_matrix()
+        if m.size == 0 or np.isnan(m).all():
+            self.image.clear()
+            return
+        logm = np.log10(np.maximum(m, FLOOR))
+        finite = logm[np.isfinite(logm)]
+        lo, hi = float(finite.min()), float(finite.max())
+        if hi - lo < 1e-9:
+            lo, hi = lo - 0.5, hi + 0.5
+        self.image.setImage(logm, autoLevels=False)
+        self.bar.setLevels((lo, hi))
+        self.image.setRect(QRectF(0.5, -0.5, m.shape[1], m.shape[0]))
+        every = max(1, len(layers) // 12)
+        self.heat_plot.getAxis("left").setTicks(
+            [[(i, str(layer)) for i, layer in enumerate(layers) if i % every == 0]])
+        label = "relative norm" if self.state.relative else "norm"
+        self.heat_plot.setTitle(f"{self.state.param} — log10 {label}")
+
+    def _update_profile(self) -> None:
+        steps = self.state.steps
+        if not steps:
+            self.profile_curve.setData([], [])
+            self.cursor.setVisible(False)
+            return
+        i = self.state.selected if self.state.selected is not None else len(steps) - 1
+        m = self.state.norm_matrix()
+        layers = np.array(self.state.layers(), dtype=float)
+        y = m[:, i] if m.shape[1] > i else np.full(len(layers), np.nan)
+        keep = np.isfinite(y) & (y > 0)
+        self.profile_curve.setData(layers[keep], y[keep])
+        self.profile.setTitle(f"token {i + 1}: per-layer profile")
+        self.cursor.setVisible(self.state.selected is not None)
+        self.cursor.setValue(i + 1)
+
+    def heatmap_shape(self) -> tuple[int, int]:
+        img = self.image.image
+        return (0, 0) if img is None else tuple(img.shape)  # type: ignore[return-value]

@@ -1,0 +1,107 @@
+"""Per-token plots (like the paper's Figure 3): logit L-infinity difference and TVD on log
+scales, token match, each with the unpatched control on the same axes, so the context's effect
+and the patch's fidelity show together. Mismatches are marked; a vertical line follows the
+selected token, and clicking a plot selects the nearest token.
+
+Items are created once and updated with ``setData`` (STYLE.md 21).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QVBoxLayout, QWidget
+
+from app.state import RunState
+
+#: log plots cannot show 0; exact zeros are drawn at this floor
+FLOOR = 1e-12
+PATCHED = (40, 110, 220)
+CONTROL = (150, 150, 150)
+MISMATCH = (220, 40, 40)
+
+
+class QtPlotsPanel(QWidget):
+    def __init__(self, state: RunState, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.state = state
+        self.graphics = pg.GraphicsLayoutWidget()
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self.graphics)
+        self.plots: dict[str, pg.PlotItem] = {}
+        self.curves: dict[tuple[str, str], pg.PlotDataItem] = {}
+        self.marks: dict[str, pg.PlotDataItem] = {}
+        self.cursors: dict[str, pg.InfiniteLine] = {}
+        titles = {"linf": "logit L∞ difference", "tvd": "TVD", "match": "token match"}
+        for row, metric in enumerate(("linf", "tvd", "match")):
+            plot = self.graphics.addPlot(row=row, col=0)
+            plot.setLabel("left", titles[metric])
+            plot.showGrid(x=True, y=True, alpha=0.2)
+            if metric != "match":
+                plot.setLogMode(x=False, y=True)
+            else:
+                plot.setYRange(-0.1, 1.1)
+                plot.getAxis("left").setTicks([[(0, "no"), (1, "yes")]])
+                plot.setLabel("bottom", "generated token")
+            if row == 0:
+                plot.addLegend(offset=(-10, 10))
+            self.curves[(metric, "patched")] = plot.plot(
+                [], [], pen=pg.mkPen(PATCHED, width=2), symbol="o", symbolSize=5,
+                symbolBrush=PATCHED, name="patched (no context)")
+            self.curves[(metric, "control")] = plot.plot(
+                [], [], pen=pg.mkPen(CONTROL, width=1.5, style=Qt.PenStyle.DashLine),
+                name="control (no context, unpatched)")
+            self.marks[metric] = plot.plot(
+                [], [], pen=None, symbol="x", symbolSize=12,
+                symbolPen=pg.mkPen(MISMATCH, width=2), symbolBrush=None, name="mismatch")
+            cursor = pg.InfiniteLine(angle=90, movable=False, pen=pg.mkPen((200, 160, 0), width=1))
+            cursor.setVisible(False)
+            plot.addItem(cursor, ignoreBounds=True)
+            self.cursors[metric] = cursor
+            if row:
+                plot.setXLink(self.plots["linf"])
+            self.plots[metric] = plot
+        self.graphics.scene().sigMouseClicked.connect(self._on_click)
+        state.subscribe(self._on_state)
+
+    def _on_click(self, event: object) -> None:
+        pos = event.scenePos()  # type: ignore[attr-defined]
+        for plot in self.plots.values():
+            if plot.sceneBoundingRect().contains(pos):
+                x = plot.vb.mapSceneToView(pos).x()
+                self.state.select(int(round(x)) - 1)
+                return
+
+    def _on_state(self, event: str) -> None:
+        if event in ("reset", "step", "finished"):
+            self._update()
+        if event in ("reset", "selection", "step"):
+            self._update_cursor()
+
+    def _update(self) -> None:
+        x = np.arange(1, len(self.state.steps) + 1, dtype=float)
+        bad = self.state.mismatches()
+        for metric in ("linf", "tvd", "match"):
+            for side in ("patched", "control"):
+                y = self.state.series(side, metric)
+                if metric != "match":
+                    y = np.maximum(y, FLOOR)
+                self.curves[(metric, side)].setData(x, y)
+            y = self.state.series("patched", metric)
+            if metric != "match":
+                y = np.maximum(y, FLOOR)
+            self.marks[metric].setData(bad + 1.0, y[bad] if len(bad) else np.array([]))
+
+    def _update_cursor(self) -> None:
+        i = self.state.selected
+        for cursor in self.cursors.values():
+            cursor.setVisible(i is not None)
+            if i is not None:
+                cursor.setValue(i + 1)
+
+    def point_counts(self) -> dict[str, int]:
+        """How many points each curve holds (for tests)."""
+        return {f"{m}/{s}": len(c.getData()[0] if c.getData()[0] is not None else [])
+                for (m, s), c in self.curves.items()}

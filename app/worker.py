@@ -1,0 +1,70 @@
+"""The one worker thread: it drives a job (see `app.jobs`) and forwards what it yields.
+
+Signals carry plain data (STYLE.md 3-4): ``run_started(RunStarted)``, ``token_done(StepResult)``,
+``loaded(ModelReady)``, ``progress(message, done, total)``; the job then ends with exactly one of
+``completed()``, ``cancelled()`` or ``failed(message)``, and QThread's own ``finished()`` follows.
+Cancel is cooperative: `requestInterruption()` is the job's ``should_stop`` (core checks it between
+layers and tokens); the thread is never terminated.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+
+from PySide6.QtCore import QObject, QThread, Signal
+
+from app.jobs import Job, ModelReady, RunStarted
+from core.errors import Cancelled, UserError
+
+log = logging.getLogger("ctxpatch")
+
+
+class Worker(QThread):
+    run_started = Signal(object)
+    token_done = Signal(object)
+    loaded = Signal(object)
+    progress = Signal(str, int, int)
+    completed = Signal()
+    cancelled = Signal()
+    failed = Signal(str)
+
+    def __init__(self, job: Job, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self._job = job
+
+    def _emit(self, item: object) -> None:
+        if isinstance(item, ModelReady):
+            self.loaded.emit(item)
+        elif isinstance(item, RunStarted):
+            self.run_started.emit(item)
+        else:
+            self.token_done.emit(item)
+
+    def run(self) -> None:  # runs on the worker thread
+        stop = self.isInterruptionRequested
+        try:
+            for item in self._job(stop, self.progress.emit):
+                if stop():
+                    break
+                self._emit(item)
+                if stop():
+                    break
+        except Cancelled:
+            self.cancelled.emit()
+            return
+        except UserError as exc:
+            self.failed.emit(str(exc))
+            return
+        except MemoryError:
+            self.failed.emit("out of memory: choose a smaller model, a 16-bit dtype "
+                             "or fewer tokens")
+            return
+        except Exception as exc:  # noqa: BLE001 - every failure reaches the window as one line
+            log.error("worker failed\n%s", traceback.format_exc())
+            self.failed.emit(f"internal error: {type(exc).__name__}: {exc} (details in the log)")
+            return
+        if stop():
+            self.cancelled.emit()
+        else:
+            self.completed.emit()

@@ -1,0 +1,106 @@
+"""Where models live and how much memory one will take, without importing torch.
+
+The window calls this on its own thread before any model is loaded, so it must stay cheap:
+it reads safetensors headers (the 8-byte length and the JSON that follows), never the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+#: bytes per element of each dtype a user can choose
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+#: Gemma 3 270M, counted from the converted folder (used before the demo is converted)
+DEMO_PARAMETERS = 268_098_176
+_ELEMENT_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I8": 1, "U8": 1, "F8_E4M3": 1,
+                  "F8_E5M2": 1, "I16": 2, "I32": 4, "I64": 8, "BOOL": 1}
+
+
+def cache_dir() -> Path:
+    """Where ctxpatch keeps converted models (platform conventions; CTXPATCH_CACHE overrides)."""
+    override = os.environ.get("CTXPATCH_CACHE")
+    if override:
+        return Path(override)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("ctxpatch", appauthor=False))
+
+
+def demo_folder() -> Path:
+    return cache_dir() / "demo" / "gemma-3-270m"
+
+
+@dataclass(frozen=True)
+class Footprint:
+    parameters: int
+    dtype: str
+
+    @property
+    def bytes(self) -> int:
+        return self.parameters * DTYPE_BYTES.get(self.dtype, 4)
+
+    def describe(self) -> str:
+        return (f"≈ {_human(self.bytes)} in {self.dtype} "
+                f"({self.parameters / 1e6:,.0f} M parameters), plus activations")
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def count_parameters(folder: Path) -> int | None:
+    """Sum the element counts in a folder's safetensors headers; None when there are none."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+        except (OSError, ValueError, struct.error):
+            return None
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            n = 1
+            for d in info.get("shape", []):
+                n *= int(d)
+            total += n
+    return total
+
+
+def _hub_snapshot(spec: str) -> Path | None:
+    """The newest local snapshot of a hub id in the Hugging Face cache, if any."""
+    home = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub")
+    snaps = Path(home) / f"models--{spec.replace('/', '--')}" / "snapshots"
+    if not snaps.is_dir():
+        return None
+    found = sorted(snaps.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+    return found[0] if found else None
+
+
+def estimate(spec: str, dtype: str) -> Footprint | None:
+    """The weights' memory for a model spec at a dtype; None when it cannot be known offline."""
+    spec = spec.strip()
+    if spec == "demo":
+        n = count_parameters(demo_folder()) if demo_folder().is_dir() else None
+        return Footprint(n or DEMO_PARAMETERS, dtype)
+    folder = Path(os.path.expanduser(spec))
+    if not folder.is_dir():
+        snapshot = _hub_snapshot(spec) if spec.count("/") == 1 else None
+        if snapshot is None:
+            return None
+        folder = snapshot
+    n = count_parameters(folder)
+    return Footprint(n, dtype) if n else None
