@@ -101,6 +101,7 @@ def _screenshot(app: Any, window: Any, path: str) -> int:
             result["outcome"] = "unsaved"
         loop.quit()
 
+    window.resize(1400, 900)  # the same picture whatever size the window was saved at
     window.run_finished.connect(done)
     QTimer.singleShot(0, window.start_run)
     loop.exec()

@@ -417,6 +417,8 @@ class MainWindow(QMainWindow):
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt override
         self.save_settings()
         if self.worker is not None:
+            # a thread destroyed while running takes the process down: let it finish its layer
+            self.status_label.setText("Stopping the background job…")
             self.worker.requestInterruption()
-            self.worker.wait(10_000)
+            self.worker.wait()
         super().closeEvent(event)

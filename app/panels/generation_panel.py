@@ -179,18 +179,24 @@ def _topk_rows(s: Any) -> str:
 
 
 def step_details_html(s: Any) -> str:
+    """The step's metrics beside the three top-k lists."""
     mark = "match" if s.patched.match else "<b style='color:#d03030'>MISMATCH</b>"
-    return (
-        f"<p><b>Token {s.step + 1}</b> (position {s.position}) — {mark}. "
-        f"Logit scale {s.logit_scale:.3g}.</p>"
-        "<table cellspacing=0 cellpadding=3 border=1 style='border-collapse:collapse'>"
-        "<tr><th></th><th>token</th><th>L∞ logit diff</th><th>TVD</th></tr>"
+    table = "<table cellspacing=0 cellpadding=3 border=1 style='border-collapse:collapse'>"
+    metrics = (
+        table + "<tr><th></th><th>token</th><th>L∞ logit diff</th><th>TVD</th></tr>"
         f"<tr><td>with context</td><td>{token_html(s.baseline_text)}</td><td>—</td><td>—</td></tr>"
         f"<tr><td>patched</td><td>{token_html(s.patched.text)}</td>"
         f"<td>{s.patched.linf:.3g}</td><td>{s.patched.tvd:.3g}</td></tr>"
         f"<tr><td>control (unpatched)</td><td>{token_html(s.control.text)}</td>"
         f"<td>{s.control.linf:.3g}</td><td>{s.control.tvd:.3g}</td></tr></table>"
-        "<p>Top-k:</p><table cellspacing=0 cellpadding=3 border=1 style='border-collapse:collapse'>"
-        "<tr><th colspan=2>with context</th><th colspan=2>patched</th>"
+    )
+    topk = (
+        table + "<tr><th colspan=2>with context</th><th colspan=2>patched</th>"
         "<th colspan=2>control</th></tr>" + _topk_rows(s) + "</table>"
+    )
+    return (
+        f"<p><b>Token {s.step + 1}</b> (position {s.position}) — {mark}. "
+        f"Logit scale {s.logit_scale:.3g}.</p>"
+        f"<table><tr><td valign=top>{metrics}</td><td width=24></td>"
+        f"<td valign=top>{topk}</td></tr></table>"
     )

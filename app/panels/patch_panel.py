@@ -111,7 +111,7 @@ class QtPatchPanel(QWidget):
         self.image.setImage(logm, autoLevels=False)
         self.bar.setLevels((lo, hi))
         self.image.setRect(QRectF(0.5, -0.5, m.shape[1], m.shape[0]))
-        every = max(1, len(layers) // 12)
+        every = max(1, -(-len(layers) // 10))
         self.heat_plot.getAxis("left").setTicks(
             [[(i, str(layer)) for i, layer in enumerate(layers) if i % every == 0]])
         label = "relative norm" if self.state.relative else "norm"

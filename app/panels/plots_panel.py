@@ -45,8 +45,8 @@ class QtPlotsPanel(QWidget):
                 plot.setYRange(-0.1, 1.1)
                 plot.getAxis("left").setTicks([[(0, "no"), (1, "yes")]])
                 plot.setLabel("bottom", "generated token")
-            if row == 0:
-                plot.addLegend(offset=(-10, 10))
+            if metric == "match":  # the space between "no" and "yes" is free for the legend
+                plot.addLegend(offset=(-10, 18))
             self.curves[(metric, "patched")] = plot.plot(
                 [], [], pen=pg.mkPen(PATCHED, width=2), symbol="o", symbolSize=5,
                 symbolBrush=PATCHED, name="patched (no context)")

@@ -128,3 +128,27 @@ def test_presets_fill_the_inputs(window: MainWindow) -> None:
     window.input_panel._on_preset(1)
     assert window.input_panel.query.toPlainText().startswith("Write a single-sentence weather")
     assert window.model_panel.absorb.currentText() == "all"
+
+
+def test_the_window_opens_without_importing_torch(tmp_path: Any) -> None:
+    """Start-up stays fast: torch and transformers load with the model, in the background."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from PySide6.QtCore import QSettings\n"
+        "from PySide6.QtWidgets import QApplication\n"
+        "from app.main_window import MainWindow\n"
+        "app = QApplication([])\n"
+        f"w = MainWindow(settings=QSettings({str(tmp_path / 's.ini')!r}, "
+        "QSettings.Format.IniFormat), autoload=False)\n"
+        "w.show(); app.processEvents()\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules), flush=True)\n"
+        "import os; os._exit(0)\n"
+    )
+    env = {**os.environ, "QT_QPA_PLATFORM": "offscreen"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.strip() == "[]", out.stderr[-2000:]
