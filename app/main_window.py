@@ -11,8 +11,8 @@ import json
 import logging
 from typing import Any
 
-from PySide6.QtCore import QEvent, QSettings, Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QCloseEvent, QKeySequence, QPalette
+from PySide6.QtCore import QSettings, Qt, QTimer, Signal
+from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
     QFileDialog,
     QHBoxLayout,
@@ -37,16 +37,6 @@ from app.worker import Worker
 
 log = logging.getLogger("ctxpatch")
 SETTINGS_VERSION = 1
-
-
-def apply_plot_palette(palette: QPalette, widgets: tuple[Any, ...] = ()) -> None:
-    """Plots follow the system's light or dark palette (pyqtgraph defaults to black)."""
-    import pyqtgraph as pg
-
-    background, foreground = palette.base().color(), palette.text().color()
-    pg.setConfigOptions(background=background, foreground=foreground, antialias=True)
-    for w in widgets:
-        w.setBackground(background)
 
 
 class _ErrorBanner(QWidget):
@@ -94,7 +84,6 @@ class MainWindow(QMainWindow):
         self._outcome = ""
         self.last_error = ""
 
-        apply_plot_palette(self.palette())
         self.model_panel = QtModelPanel()
         self.input_panel = QtInputPanel()
         self.generation = QtGenerationPanel(self.state)
@@ -406,13 +395,6 @@ class MainWindow(QMainWindow):
                 data = None
             if isinstance(data, dict):
                 panel.restore(data)
-
-    def changeEvent(self, event: QEvent) -> None:  # noqa: N802 - Qt override
-        if hasattr(self, "plots") and event.type() in (
-                QEvent.Type.PaletteChange, QEvent.Type.ApplicationPaletteChange):
-            apply_plot_palette(self.palette(), (self.plots.graphics, self.patches.graphics))
-            self.generation.apply_palette()
-        super().changeEvent(event)
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt override
         self.save_settings()

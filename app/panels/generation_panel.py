@@ -11,10 +11,11 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from PySide6.QtCore import Qt, QUrl
+from PySide6.QtCore import QEvent, Qt, QUrl
 from PySide6.QtWidgets import QLabel, QSplitter, QTextBrowser, QVBoxLayout, QWidget
 
 from app.state import RunState
+from app.theme import is_dark
 
 
 def token_html(text: str) -> str:
@@ -24,10 +25,6 @@ def token_html(text: str) -> str:
     out = html.escape(text, quote=False)
     out = out.replace("\r", "␍").replace("\t", "→\t").replace("\n", "↵<br>")
     return out
-
-
-def is_dark(widget: QWidget) -> bool:
-    return widget.palette().window().color().lightness() < 128
 
 
 COLORS = {  # (light palette, dark palette)
@@ -109,7 +106,7 @@ class QtGenerationPanel(QWidget):
         return grey(full), note if reduced is None else grey(reduced)
 
     def _spans(self, texts: list[str], prefix: str) -> str:
-        dark = int(is_dark(self))
+        dark = int(is_dark(self.palette()))
         parts = [prefix]
         for s, text in zip(self.state.steps, texts, strict=True):
             if s.step == self.state.selected:
@@ -155,8 +152,10 @@ class QtGenerationPanel(QWidget):
             return
         self.details.setHtml(step_details_html(self.state.steps[i]))
 
-    def apply_palette(self) -> None:
-        self._render()
+    def changeEvent(self, event: QEvent) -> None:  # noqa: N802 - Qt override
+        if event.type() == QEvent.Type.PaletteChange:
+            self._render()
+        super().changeEvent(event)
 
     def pane_texts(self) -> tuple[str, str]:
         """The two panes' plain text (for tests and copy)."""
@@ -170,7 +169,7 @@ def _topk_rows(s: Any) -> str:
         cells = []
         for tk in lists:
             if r < len(tk.ids):
-                cells.append(f"<td>{token_html(tk.texts[r])}</td>"
+                cells.append(f"<td nowrap>{token_html(tk.texts[r])}</td>"
                              f"<td align=right>{tk.probs[r]:.3f}</td>")
             else:
                 cells.append("<td></td><td></td>")

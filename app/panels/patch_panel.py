@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QRectF
+from PySide6.QtCore import QEvent, QRectF
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from app.state import RunState
+from app.theme import style_graphics
 
 FLOOR = 1e-30
 
@@ -47,8 +48,8 @@ class QtPatchPanel(QWidget):
         self.heat_plot.addItem(self.cursor, ignoreBounds=True)
         self.profile = self.graphics.addPlot(row=1, col=0)
         self.profile.setLabel("bottom", "layer")
-        self.profile.setLabel("left", "norm")
-        self.profile.setLogMode(x=False, y=True)
+        self.profile.setLabel("left", "log10 norm")  # drawn as log10 values: a log axis
+        # labels every minor tick when the range is under a decade
         self.profile.showGrid(x=True, y=True, alpha=0.2)
         self.profile_curve = self.profile.plot([], [], pen=pg.mkPen((40, 110, 220), width=2),
                                                symbol="o", symbolSize=5)
@@ -61,7 +62,13 @@ class QtPatchPanel(QWidget):
         self.param.currentTextChanged.connect(self._on_param)
         self.scale.currentIndexChanged.connect(self._on_scale)
         self.graphics.scene().sigMouseClicked.connect(self._on_click)
+        style_graphics(self.graphics, [self.heat_plot, self.profile], self.palette())
         state.subscribe(self._on_state)
+
+    def changeEvent(self, event: QEvent) -> None:  # noqa: N802 - Qt override
+        if event.type() == QEvent.Type.PaletteChange:
+            style_graphics(self.graphics, [self.heat_plot, self.profile], self.palette())
+        super().changeEvent(event)
 
     def _on_param(self, text: str) -> None:
         if text and text != self.state.param:
@@ -128,7 +135,9 @@ class QtPatchPanel(QWidget):
         layers = np.array(self.state.layers(), dtype=float)
         y = m[:, i] if m.shape[1] > i else np.full(len(layers), np.nan)
         keep = np.isfinite(y) & (y > 0)
-        self.profile_curve.setData(layers[keep], y[keep])
+        self.profile_curve.setData(layers[keep], np.log10(y[keep]))
+        label = "relative norm" if self.state.relative else "norm"
+        self.profile.setLabel("left", f"log10 {label}")
         self.profile.setTitle(f"token {i + 1}: per-layer profile")
         self.cursor.setVisible(self.state.selected is not None)
         self.cursor.setValue(i + 1)

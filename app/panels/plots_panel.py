@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QEvent, Qt
 from PySide6.QtWidgets import QVBoxLayout, QWidget
 
 from app.state import RunState
+from app.theme import style_graphics
 
 #: log plots cannot show 0; exact zeros are drawn at this floor
 FLOOR = 1e-12
@@ -64,14 +65,29 @@ class QtPlotsPanel(QWidget):
                 plot.setXLink(self.plots["linf"])
             self.plots[metric] = plot
         self.graphics.scene().sigMouseClicked.connect(self._on_click)
+        # the cursor follows the mouse over the plots, at most 30 updates a second
+        self._hover = pg.SignalProxy(self.graphics.scene().sigMouseMoved, rateLimit=30,
+                                     slot=self._on_hover)
+        style_graphics(self.graphics, list(self.plots.values()), self.palette())
         state.subscribe(self._on_state)
 
+    def changeEvent(self, event: QEvent) -> None:  # noqa: N802 - Qt override
+        if event.type() == QEvent.Type.PaletteChange:
+            style_graphics(self.graphics, list(self.plots.values()), self.palette())
+        super().changeEvent(event)
+
     def _on_click(self, event: object) -> None:
-        pos = event.scenePos()  # type: ignore[attr-defined]
+        self._select_at(event.scenePos())  # type: ignore[attr-defined]
+
+    def _on_hover(self, args: tuple[object, ...]) -> None:
+        self._select_at(args[0])
+
+    def _select_at(self, pos: object) -> None:
         for plot in self.plots.values():
             if plot.sceneBoundingRect().contains(pos):
                 x = plot.vb.mapSceneToView(pos).x()
-                self.state.select(int(round(x)) - 1)
+                if self.state.steps and 0.5 <= x <= len(self.state.steps) + 0.5:
+                    self.state.select(int(round(x)) - 1)
                 return
 
     def _on_state(self, event: str) -> None:
