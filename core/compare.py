@@ -343,6 +343,9 @@ def iter_token_patches(
     all_layers = adapter.layers(model)
     chosen = parse_layers(settings.layers, len(all_layers))
     sites = {i: adapter.sites(all_layers[i]) for i in chosen}
+    if control == "bias" and any(getattr(s.out_matrix, "bias", None) is None for s in sites.values()):
+        raise UserError(f"this {adapter.family} model's output matrix has no bias: "
+                        "use the output control 'matrix'")
     names = {id(m): n for n, m in model.named_modules()}
     dtype = compute_dtype(loaded.dtype)
     spec = PatchSpec(

@@ -315,14 +315,14 @@ class _LayerPatcher:
         x, y = args[0], _first_output(output)
         spec = self.spec
         if spec.control == "bias":
-            d = Delta(self._stored(self._shift()))
+            d = Delta(self._stored(self._shift() / self.s.branch_scale))
             self.result.patches[self._name(module, "bias")] = d
             out = y.clone()
             sl = slice(-1, None) if spec.last_only else slice(None)
             out[:, sl] = (out[:, sl].to(d.delta.dtype) + d.delta).to(y.dtype)
             return _replace_output(output, out)
         if spec.control == "matrix":
-            shift = self._shift()
+            shift = self._shift() / self.s.branch_scale
         elif spec.control == "scale" and spec.method == "stable":
             assert self.s.out_norm is not None and self.t.down is not None
             m = self._scale()

@@ -40,13 +40,15 @@ def tiny_tokenizer(vocab_size: int = 320) -> Any:
 
 
 def randomize_norms(model: torch.nn.Module, seed: int = 0, scale: float = 0.5) -> None:
-    """Give every norm's weight and bias random values (the zero/one init hides cast-order bugs)."""
+    """Give every norm's weight and bias, and every other bias, random values (the zero/one init
+    hides cast-order bugs, and a zero bias hides a bias patch's sign)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for module in model.modules():
-            if "norm" not in type(module).__name__.lower():
-                continue
-            for p in module.parameters(recurse=False):
+            is_norm = "norm" in type(module).__name__.lower()
+            for name, p in module.named_parameters(recurse=False):
+                if not is_norm and name != "bias":
+                    continue
                 noise = torch.randn(p.shape, generator=g, dtype=torch.float64) * scale
                 p.add_(noise.to(p.dtype))
 
@@ -90,6 +92,54 @@ def llama_config(model_type: str = "llama", layers: int = 4, vocab: int = 320) -
         bos_token_id=2,
         tie_word_embeddings=False,
     )
+
+
+_IDS = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
+_LLAMA_LIKE = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+               "tie_word_embeddings": False, **_IDS}
+# GPT-style inits (std 0.02) make a tiny model's attention nearly uniform and the context's
+# effect tiny; a larger init keeps the negative controls meaningful
+_GPT = {"n_embd": 32, "n_layer": 4, "n_head": 4, "n_positions": 512, "initializer_range": 0.2,
+        **_IDS}
+_FALCON = {"hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
+           "max_position_embeddings": 512, "initializer_range": 0.2, **_IDS}
+
+#: every family the ground-truth tests cover: name -> (model_type, config overrides)
+TINY: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", _LLAMA_LIKE),
+    "mistral": ("mistral", _LLAMA_LIKE),
+    "ministral": ("ministral", {**_LLAMA_LIKE, "head_dim": 8, "sliding_window": 64}),
+    "qwen2": ("qwen2", _LLAMA_LIKE),
+    "qwen3": ("qwen3", _LLAMA_LIKE),
+    "smollm3": ("smollm3", _LLAMA_LIKE),
+    "granite": ("granite", {**_LLAMA_LIKE, "residual_multiplier": 0.7, "embedding_multiplier": 2.0,
+                            "attention_multiplier": 0.3, "logits_scaling": 1.5}),
+    "phi3": ("phi3", _LLAMA_LIKE),
+    "gemma": ("gemma", {**_LLAMA_LIKE, "head_dim": 8}),
+    "gemma2": ("gemma2", {**_LLAMA_LIKE, "head_dim": 8, "sliding_window": 4,
+                          "query_pre_attn_scalar": 8}),
+    "olmo2": ("olmo2", _LLAMA_LIKE),
+    "gpt2": ("gpt2", _GPT),
+    "gptj": ("gptj", {**_GPT, "rotary_dim": 4}),
+    "gpt_neox": ("gpt_neox", {**_FALCON, "intermediate_size": 64, "use_parallel_residual": True}),
+    "gpt_neox_sequential": ("gpt_neox", {**_FALCON, "intermediate_size": 64,
+                                         "use_parallel_residual": False}),
+    "cohere": ("cohere", {**_LLAMA_LIKE, "logit_scale": 0.5}),
+    "falcon_new": ("falcon", {**_FALCON, "new_decoder_architecture": True, "num_kv_heads": 2}),
+    "falcon_parallel": ("falcon", {**_FALCON, "parallel_attn": True, "multi_query": True,
+                                   "bias": True}),
+    "falcon_sequential": ("falcon", {**_FALCON, "parallel_attn": False, "alibi": True,
+                                     "bias": True}),
+}
+
+
+def tiny_config(name: str, vocab: int = 320) -> Any:
+    """A tiny config of one of the `TINY` families."""
+    from transformers import AutoConfig
+
+    model_type, overrides = TINY[name]
+    return AutoConfig.for_model(model_type, vocab_size=vocab, **overrides)
 
 
 def tiny_loaded(config: Any, dtype: torch.dtype = torch.float64, seed: int = 0) -> Any:

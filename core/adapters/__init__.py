@@ -4,11 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.adapters import gemma3, llama
+from core.adapters import falcon, gemma3, gpt2, llama, olmo2, parallel
 from core.adapters.base import Adapter, LayerSites, decoder_layers
 from core.errors import UserError
 
-ADAPTERS: tuple[Adapter, ...] = (gemma3.ADAPTER, llama.ADAPTER)
+ADAPTERS: tuple[Adapter, ...] = (
+    gemma3.ADAPTER,
+    llama.ADAPTER,
+    llama.GEMMA1,
+    llama.GRANITE,
+    llama.PHI3,
+    olmo2.ADAPTER,
+    gpt2.ADAPTER,
+    parallel.GPTJ,
+    parallel.NEOX,
+    parallel.COHERE,
+    falcon.ADAPTER,
+)
 
 REGISTRY: dict[str, Adapter] = {t: a for a in ADAPTERS for t in a.model_types}
 

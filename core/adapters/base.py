@@ -12,7 +12,8 @@ For one decoder layer it names:
 - ``out_norm``: the trainable post-MLP norm scale ``m`` (Gemma 2/3, OLMo 2), when the block has one.
 
 The branch output that is added to ``v`` is ``out_norm(out_matrix(...))`` when ``out_norm``
-exists, else ``out_matrix(...)``; so ``T = v + branch``.
+exists, else ``out_matrix(...)``, times ``branch_scale`` (Granite's residual multiplier); so
+``T = v + branch_scale * branch``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class LayerSites:
     inputs: tuple[tuple[str, nn.Module], ...]
     out_matrix: nn.Module
     out_norm: nn.Module | None = None
+    branch_scale: float = 1.0  # T = v + branch_scale * branch (Granite's residual_multiplier)
+    parallel: bool = False  # attention and MLP read the same layer input (GPT-J, Falcon 7B)
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,9 @@ class Adapter:
             and the default. "scale" = post-norm scale m, "matrix" = rank-1 on the output matrix,
             "bias" = the output matrix's bias.
         norm_offset: the post-norm computes ``(norm_offset + weight) * N(h)`` (Gemma: 1).
-        parallel_block: attention and MLP read the same layer input (GPT-J, Falcon).
+        parallel_block: attention and MLP read the same layer input (GPT-J, Falcon); for
+            families where it depends on the config (GPT-NeoX, Falcon) each layer's
+            `LayerSites.parallel` says.
         transposed: matrices are stored (in, out) like GPT-2's Conv1D.
         notes: the family's quirks, shown in reports and `--help`.
     """

@@ -1,6 +1,8 @@
-"""Gemma 3 (text, and the language model inside Gemma 3 image+text): the paper's own family.
+"""Gemma 2 and Gemma 3 (text, and the language model inside Gemma 3 image+text): the paper's
+own family.
 
-Mirrors ``transformers/models/gemma3/modeling_gemma3.py`` (`Gemma3DecoderLayer`):
+Mirrors ``transformers/models/gemma3/modeling_gemma3.py`` (`Gemma3DecoderLayer`; Gemma 2's
+`Gemma2DecoderLayer` has the same four norms):
 
 - four RMSNorms per block; ``v`` is the input of ``pre_feedforward_layernorm`` (the residual after
   ``post_attention_layernorm`` of the attention output has been added);
@@ -29,14 +31,15 @@ def _sites(layer: nn.Module) -> LayerSites:
 
 
 ADAPTER = Adapter(
-    family="Gemma 3",
-    model_types=("gemma3_text", "gemma3"),
+    family="Gemma 2 / Gemma 3",
+    model_types=("gemma3_text", "gemma3", "gemma2"),
     sites=_sites,
     output_controls=("scale",),
     norm_offset=1.0,
     notes=(
         "post-feedforward RMSNorm scale is 1 + weight; patches to it are added to weight",
         "RMSNorms compute in float32 even in float64 models (exactness ~1e-8 relative)",
-        "sliding-window and global attention layers alternate (every 6th layer is global)",
+        "sliding-window and global attention layers alternate (Gemma 3: every 6th is global)",
+        "Gemma 2 soft-caps attention and final logits; the patches do not touch either",
     ),
 )
