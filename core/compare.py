@@ -231,8 +231,11 @@ class _Norms:
         self.cache: dict[str, float] = {}
 
     def of(self, name: str) -> float:
+        """The norm of a parameter, or of slice ``e`` for a name ``param[e]`` (MoE experts)."""
         if name not in self.cache:
-            p = self.params[name].detach().double()
+            base, _, index = name.partition("[")
+            p = self.params[base].detach()
+            p = (p[int(index.rstrip("]"))] if index else p).double()
             if name in self.scale_names:
                 p = p + self.offset  # relative to the effective scale m = offset + weight
             self.cache[name] = float(p.norm())

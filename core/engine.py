@@ -49,6 +49,7 @@ class LayerTargets:
     down: Tensor | None = None  # h_down,C (d,)
     branch: Tensor | None = None  # m * N(h_down,C) or h_down,C (d,)
     block: Tensor | None = None  # T_C (d,)
+    z: Tensor | None = None  # MoE: the experts' input z_C (d,)
 
     @property
     def v(self) -> Tensor:
@@ -75,7 +76,8 @@ class PatchSpec:
 
     Attributes:
         method: "direct" or "stable".
-        control: the output control, "scale", "matrix" or "bias".
+        control: the output control, "scale", "matrix", "bias" or "experts" (MoE; dense layers
+            of an MoE model then use their down matrix).
         last_only: patches act at the query position only (scope "query").
         disabled: patch kinds left out: "input" and/or "output" (negative controls, ablations).
         norm_offset: the post-norm scale is ``norm_offset + weight``.
@@ -118,8 +120,26 @@ def _replace_output(output: Any, new: Tensor) -> Any:
 
 
 def _q(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """The query (last) position of a (1, seq, width) activation, as a (width,) copy."""
-    return x[0, -1].detach().to(dtype).clone()
+    """The query (last) position of a (1, seq, width) or (seq, width) activation, as a (width,)
+    copy (batch is 1: MoE modules see the same rows flattened)."""
+    return x.reshape(-1, x.shape[-1])[-1].detach().to(dtype).clone()
+
+
+@contextmanager
+def written_(pairs: Sequence[tuple[Tensor, Tensor]]) -> Iterator[None]:
+    """Add each delta to its parameter (or parameter slice) in place, rounded to the parameter's
+    dtype; restore the exact originals in ``finally``."""
+    saved: list[tuple[Tensor, Tensor]] = []
+    try:
+        with torch.no_grad():
+            for target, delta in pairs:
+                saved.append((target, target.detach().clone()))
+                target.copy_((target.to(delta.dtype) + delta).to(target.dtype))
+        yield
+    finally:
+        with torch.no_grad():
+            for target, original in reversed(saved):
+                target.copy_(original)
 
 
 def last_logits(model: Any, ids: Sequence[int], device: torch.device, cache: Any = None,
@@ -223,7 +243,18 @@ def recording(
                 t.down = _q(_first_output(out), dtype)
                 t.branch = t.down
 
-            add(s.out_matrix.register_forward_hook(keep_down))
+            if s.out_matrix is not None:
+                add(s.out_matrix.register_forward_hook(keep_down))
+            if s.router is not None and s.experts is not None:
+
+                def keep_router(m: nn.Module, a: Any, out: Any, t: LayerTargets = t) -> None:
+                    t.inputs["router"] = _q(_first_output(out), dtype)
+
+                def keep_z(m: nn.Module, args: tuple[Any, ...], t: LayerTargets = t) -> None:
+                    t.z = _q(args[0], dtype)
+
+                add(s.router.register_forward_hook(keep_router))
+                add(s.experts.register_forward_pre_hook(keep_z))
             if s.out_norm is not None:
 
                 def keep_branch(m: nn.Module, a: Any, out: Any, t: LayerTargets = t) -> None:
@@ -321,7 +352,7 @@ class _LayerPatcher:
             sl = slice(-1, None) if spec.last_only else slice(None)
             out[:, sl] = (out[:, sl].to(d.delta.dtype) + d.delta).to(y.dtype)
             return _replace_output(output, out)
-        if spec.control == "matrix":
+        if spec.control in ("matrix", "experts"):  # (a dense layer of an MoE model: its down)
             shift = self._shift() / self.s.branch_scale
         elif spec.control == "scale" and spec.method == "stable":
             assert self.s.out_norm is not None and self.t.down is not None
@@ -340,6 +371,79 @@ class _LayerPatcher:
         r = self._rank1(r)
         self.result.patches[self._name(module, "weight")] = r
         return _replace_output(output, _act(x, y, r, spec.last_only))
+
+    def on_router(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        """Rank-1 patch of the router so the reduced input routes like the full context: the
+        same experts with the same weights (the router recomputes with the patched matrix)."""
+        if self.recomputing or "input" in self.spec.disabled:
+            return None
+        x, logits = args[0], _first_output(output)
+        r = rank1_input_patch(self.t.inputs["router"], _q(logits, self.dtype), _q(x, self.dtype))
+        if r is None:
+            self.result.zero_z = True
+            return None
+        r = self._rank1(r)
+        self.result.patches[self._name(module, "weight")] = r
+        weight = (module.weight.detach().to(r.u.dtype) + torch.outer(r.u, r.a)).to(module.weight.dtype)
+        self.recomputing = True
+        try:
+            patched = torch.func.functional_call(module, {"weight": weight}, (x,))
+        finally:
+            self.recomputing = False
+        return _last_rows(output, patched, self.spec.last_only)
+
+    def on_experts(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        """Patch every active expert at the query: its ``gate_up_proj`` slice so the reduced input
+        gives the full-context inner activation, its ``down_proj`` slice to add ``dv / S``
+        (``S`` = the active routing weights' sum), so ``sum_e g_e dW_e h_e = dv``. The slices
+        are written in place for one recomputation of the experts and restored at once."""
+        if self.recomputing:
+            return None
+        x, index, weights = args[0], args[1], args[2]
+        z = _q(x, self.dtype)
+        active = [int(e) for e in index.reshape(-1, index.shape[-1])[-1]]
+        s_sum = weights.reshape(-1, weights.shape[-1])[-1].to(self.dtype).sum()
+        use_input = "input" not in self.spec.disabled
+        use_output = "output" not in self.spec.disabled
+        dv = self._shift() / s_sum if use_output else None
+        pairs: list[tuple[Tensor, Tensor]] = []
+        for e in dict.fromkeys(active):
+            gate_up = module.gate_up_proj[e].detach().to(self.dtype)  # (2f, d)
+            y, y_target = gate_up @ z, gate_up @ self.t.z if self.t.z is not None else None
+            if use_input and y_target is not None:
+                r_in = rank1_input_patch(y_target, y, z)
+                if r_in is None:
+                    self.result.zero_z = True
+                else:
+                    r_in = self._rank1(r_in)
+                    self.result.patches[f"{self._name(module, 'gate_up_proj')}[{e}]"] = r_in
+                    pairs.append((module.gate_up_proj[e], torch.outer(r_in.u, r_in.a)))
+                    y = y + r_in.u * (r_in.a @ z)
+            # mirrors the experts' forward: gate, up = (W x).chunk(2); h = act(gate) * up
+            gate, up = y.chunk(2, dim=-1)
+            h = module.act_fn(gate) * up
+            if dv is not None:
+                r_out = matrix_output_patch(dv, h)
+                if r_out is None:
+                    self.result.zero_h = True
+                else:
+                    r_out = self._rank1(r_out)
+                    self.result.patches[f"{self._name(module, 'down_proj')}[{e}]"] = r_out
+                    pairs.append((module.down_proj[e], torch.outer(r_out.u, r_out.a)))
+        if not pairs:
+            return None
+        rows = slice(-1, None) if self.spec.last_only else slice(None)
+        self.recomputing = True
+        try:
+            with written_(pairs):
+                patched = module(x[rows], index[rows], weights[rows])
+        finally:
+            self.recomputing = False
+        if self.spec.last_only and x.shape[0] > 1:
+            out = _first_output(output).clone()
+            out[-1:] = patched
+            return _replace_output(output, out)
+        return _replace_output(output, patched)
 
     def _scale(self) -> Tensor:
         norm = self.s.out_norm
@@ -379,6 +483,19 @@ class _LayerPatcher:
             self.result.block_error = float((t - self.t.block).abs().max())
 
 
+def _last_rows(original: Any, patched: Any, last_only: bool) -> Any:
+    """With ``last_only``, keep every row of a (seq, ...) output but the last from ``original``."""
+    if not last_only:
+        return patched
+    if isinstance(original, tuple):
+        return tuple(_last_rows(o, p, True) for o, p in zip(original, patched, strict=True))
+    if original.shape[0] <= 1:
+        return patched
+    out = original.clone()
+    out[-1:] = patched[-1:]
+    return out
+
+
 @contextmanager
 def patching(
     layers: nn.ModuleList,
@@ -412,7 +529,11 @@ def patching(
                 _source_hook(add, module, kind, lp.keep_v)
             for role, module in s.inputs:
                 add(module.register_forward_hook(lp.on_input(role)))
-            add(s.out_matrix.register_forward_hook(lp.on_out_matrix))
+            if s.out_matrix is not None:
+                add(s.out_matrix.register_forward_hook(lp.on_out_matrix))
+            if s.router is not None and s.experts is not None:
+                add(s.router.register_forward_hook(lp.on_router))
+                add(s.experts.register_forward_hook(lp.on_experts))
             if s.out_norm is not None and spec.control == "scale":
                 add(s.out_norm.register_forward_hook(lp.on_out_norm))
             add(s.layer.register_forward_hook(lp.on_block))

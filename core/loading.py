@@ -218,6 +218,8 @@ def load_model(
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
     if local_only or os.environ.get("HF_HUB_OFFLINE"):
         kwargs["local_files_only"] = True
+    if torch_dtype == torch.float64 and "experts" in adapter.output_controls:
+        kwargs["experts_implementation"] = "eager"  # the grouped-matmul kernel refuses float64
     try:
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(

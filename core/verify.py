@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from core.engine import last_logits, logit_distance
+from core.engine import last_logits, logit_distance, written_
 from core.errors import Cancelled, UserError
 from core.export import PATCHES_FORMAT
 from core.loading import LoadedModel
@@ -74,30 +74,24 @@ def materialized(model: torch.nn.Module, patches: dict[tuple[str, int | None], d
                  ) -> Iterator[None]:
     """Write patches into the model's parameters; restore the originals in ``finally``."""
     params = dict(model.named_parameters())
-    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-    try:
-        with torch.no_grad():
-            for (name, index), parts in patches.items():
-                if name not in params:
-                    raise UserError(f"the patches name parameter {name!r}, which this model lacks")
-                p = params[name]
-                target = p if index is None else p[index]
-                ct = torch.float64 if p.dtype == torch.float64 else torch.float32
-                if "delta" in parts:
-                    d = parts["delta"].to(p.device, ct)
-                else:
-                    d = torch.outer(parts["u"].to(p.device, ct), parts["v"].to(p.device, ct))
-                if d.shape != target.shape:
-                    raise UserError(
-                        f"patch for {name} has shape {tuple(d.shape)}, the parameter {tuple(target.shape)}"
-                    )
-                saved.append((target, target.detach().clone()))
-                target.copy_((target.to(ct) + d).to(p.dtype))
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for (name, index), parts in patches.items():
+        if name not in params:
+            raise UserError(f"the patches name parameter {name!r}, which this model lacks")
+        p = params[name]
+        target = p if index is None else p[index]
+        ct = torch.float64 if p.dtype == torch.float64 else torch.float32
+        if "delta" in parts:
+            d = parts["delta"].to(p.device, ct)
+        else:
+            d = torch.outer(parts["u"].to(p.device, ct), parts["v"].to(p.device, ct))
+        if d.shape != target.shape:
+            raise UserError(
+                f"patch for {name} has shape {tuple(d.shape)}, the parameter {tuple(target.shape)}"
+            )
+        pairs.append((target, d))
+    with written_(pairs):
         yield
-    finally:
-        with torch.no_grad():
-            for target, original in reversed(saved):
-                target.copy_(original)
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,11 @@ TINY: dict[str, tuple[str, dict[str, Any]]] = {
     "falcon_new": ("falcon", {**_FALCON, "new_decoder_architecture": True, "num_kv_heads": 2}),
     "falcon_parallel": ("falcon", {**_FALCON, "parallel_attn": True, "multi_query": True,
                                    "bias": True}),
+    "mixtral": ("mixtral", {**_LLAMA_LIKE, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("qwen3_moe", {**_LLAMA_LIKE, "num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 16, "norm_topk_prob": False,
+                                "decoder_sparse_step": 1, "mlp_only_layers": [1]}),
+    "olmoe": ("olmoe", {**_LLAMA_LIKE, "num_experts": 4, "num_experts_per_tok": 2}),
     "falcon_sequential": ("falcon", {**_FALCON, "parallel_attn": False, "alibi": True,
                                      "bias": True}),
 }
@@ -150,7 +155,8 @@ def tiny_loaded(config: Any, dtype: torch.dtype = torch.float64, seed: int = 0) 
     from core.loading import LoadedModel
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra).eval()
     randomize_norms(model, seed)
     return LoadedModel(
         model=model,

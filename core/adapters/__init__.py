@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.adapters import falcon, gemma3, gpt2, llama, olmo2, parallel
+from core.adapters import falcon, gemma3, gpt2, llama, moe, olmo2, parallel
 from core.adapters.base import Adapter, LayerSites, decoder_layers
 from core.errors import UserError
 
@@ -20,6 +20,7 @@ ADAPTERS: tuple[Adapter, ...] = (
     parallel.NEOX,
     parallel.COHERE,
     falcon.ADAPTER,
+    moe.ADAPTER,
 )
 
 REGISTRY: dict[str, Adapter] = {t: a for a in ADAPTERS for t in a.model_types}

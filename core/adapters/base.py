@@ -10,6 +10,10 @@ For one decoder layer it names:
   the rank-1 patch ``W (z_C - z) z^T / |z|^2`` so the MLP's inner activations match.
 - ``out_matrix``: the MLP's output matrix (down, ``c_proj``, ``fc_out``).
 - ``out_norm``: the trainable post-MLP norm scale ``m`` (Gemma 2/3, OLMo 2), when the block has one.
+- ``router`` and ``experts``: a mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE) instead of
+  ``inputs`` and ``out_matrix``: the router gets a rank-1 input patch (same routing, same
+  weights), every active expert's slice of ``gate_up_proj`` a rank-1 input patch, and every
+  active expert's slice of ``down_proj`` a rank-1 patch adding ``dv / S``.
 
 The branch output that is added to ``v`` is ``out_norm(out_matrix(...))`` when ``out_norm``
 exists, else ``out_matrix(...)``, times ``branch_scale`` (Granite's residual multiplier); so
@@ -35,8 +39,11 @@ class LayerSites:
     layer: nn.Module
     v_sources: tuple[tuple[nn.Module, SourceKind], ...]
     inputs: tuple[tuple[str, nn.Module], ...]
-    out_matrix: nn.Module
+    out_matrix: nn.Module | None  # None in a mixture-of-experts layer
     out_norm: nn.Module | None = None
+    router: nn.Module | None = None  # MoE: the top-k router, called on z, returns (logits, ...)
+    experts: nn.Module | None = None  # MoE: fused 3-D gate_up_proj and down_proj, called on
+    #                                   (z, top_k_index, top_k_weights)
     branch_scale: float = 1.0  # T = v + branch_scale * branch (Granite's residual_multiplier)
     parallel: bool = False  # attention and MLP read the same layer input (GPT-J, Falcon 7B)
 

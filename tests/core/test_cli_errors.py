@@ -53,12 +53,21 @@ def test_folder_without_config(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     assert "config.json" in line
 
 
-def test_unsupported_architecture_names_supported(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    from transformers import BertConfig
+@pytest.mark.parametrize("kind", ["encoder-only", "state-space"])
+def test_unsupported_architecture_names_supported(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                  kind: str) -> None:
+    from transformers import BertConfig, MambaConfig
 
-    BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8).save_pretrained(tmp_path)
+    if kind == "encoder-only":
+        config = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=8)
+    else:
+        config = MambaConfig(hidden_size=32, num_hidden_layers=1, vocab_size=64)
+    config.save_pretrained(tmp_path)
     line = _err(capsys, ["compare", "--model", str(tmp_path), "--context", "c", "--query", "hi"])
-    assert "unsupported architecture" in line and "Gemma 3" in line and "Llama" in line
+    assert "unsupported architecture" in line
+    for family in ("Gemma 2 / Gemma 3", "Llama", "GPT-2", "Falcon", "OLMo 2"):
+        assert family in line
 
 
 def test_empty_query_with_absorb_context(capsys: pytest.CaptureFixture[str], tiny_folder: Path) -> None:

@@ -181,3 +181,16 @@ def test_lower_precisions_run_and_stay_close(family: str, dtype: torch.dtype) ->
         for s in steps:
             assert s.patched.match
             assert s.patched.linf < 0.05 * s.control.linf
+
+
+def test_a_saved_moe_model_loads_and_runs_in_float64(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Loading picks the eager experts for float64 (the grouped kernel refuses it)."""
+    from tiny import save_tiny_folder
+
+    from core.loading import load_model
+
+    save_tiny_folder(tmp_path, tiny_config("mixtral"))
+    loaded = load_model(str(tmp_path), dtype="float64", device="cpu")
+    _, _, steps = _run(loaded, absorb="all")
+    assert all(s.patched.match for s in steps)
+    assert max(s.patched.linf / s.logit_scale for s in steps) <= EXACT
