@@ -58,6 +58,9 @@ def _compare_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", default="all", help='"all", a start "10:", a range "2:8", a list "0,5,17"')
     p.add_argument("--output-control", default=None,
                    help="the output control (default: the family's, e.g. scale for Gemma)")
+    p.add_argument("--disable", action="append", choices=["input", "output"], default=[],
+                   help="leave out a kind of patch (ablation; 'output' freezes the output control, "
+                        "e.g. Gemma's scale, and the report flags shifts beyond the reachable bound)")
     p.add_argument("--keep-bos", action="store_true", help="with --absorb all, keep BOS at position 0")
     p.add_argument("--chat-template", action="store_true",
                    help="wrap context and query in the tokenizer's chat template")
@@ -153,7 +156,7 @@ def run_compare(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, method=args.method, absorb=args.absorb,
         scope=args.scope, layers=args.layers, keep_bos=args.keep_bos,
         output_control=args.output_control, top_k=args.top_k, stop_at_eos=args.stop_at_eos,
-        keep_patches=args.save_patches is not None,
+        keep_patches=args.save_patches is not None, disabled=frozenset(args.disable),
     )
     settings.validate()
     if args.top_k < 1:
@@ -168,6 +171,11 @@ def run_compare(args: argparse.Namespace) -> int:
     check_outputs(args.json, args.csv, args.save_patches, args.report)
     loaded = _load(args, args.dtype, say)
     prompt = build_prompt(loaded.tokenizer, args.context, args.query, args.chat_template)
+    from core.controllability import outcome, plan, summary_lines
+
+    plans = plan(loaded, settings)
+    for line in summary_lines(plans):
+        say(line)
     steps = []
     start = time.perf_counter()
     for s in iter_token_patches(loaded, prompt, settings):
@@ -181,6 +189,10 @@ def run_compare(args: argparse.Namespace) -> int:
              "image": args.image}
     record = run_record(loaded.describe(), prompt, settings, steps, extra)
     record["summary"]["seconds"]["wall"] = elapsed
+    checks = outcome(steps, plans)
+    record["controllability"] = {"plan": [p.to_dict() for p in plans],
+                                 "outcome": {str(k): v for k, v in checks.items()}}
+    say(summary_lines(plans, checks)[-1])
     if args.json == "-":
         import json
 

@@ -15,7 +15,8 @@ from typing import Any
 
 #: the command-line options the window understands (the rest of `compare` is headless only)
 WINDOW_OPTIONS = ("model", "dtype", "device", "method", "absorb", "scope", "layers",
-                  "output_control", "context", "query", "max_new_tokens", "chat_template")
+                  "output_control", "context", "query", "max_new_tokens", "chat_template",
+                  "disable")
 
 
 def _setup_logging() -> str:

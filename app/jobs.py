@@ -39,6 +39,7 @@ class RunStarted:
     num_layers: int
     control: str  # the output control in use
     model: dict[str, Any]
+    plan: tuple[Any, ...] = ()  # core.controllability.LayerPlan per patched layer
 
 
 def load_job(spec: str, dtype: str, device: str) -> Job:
@@ -71,6 +72,7 @@ def run_job(model: ModelReady, context: str, query: str, chat_template: bool,
 
     def job(should_stop: StopFn, progress: ProgressFn) -> Iterator[Any]:
         from core.compare import Settings, iter_token_patches, parse_layers, resolve_control
+        from core.controllability import plan
         from core.prompt import build_prompt, check_prompt
 
         loaded = model.handle
@@ -87,6 +89,7 @@ def run_job(model: ModelReady, context: str, query: str, chat_template: bool,
             num_layers=n,
             control=resolve_control(loaded, s),
             model=model.info,
+            plan=tuple(plan(loaded, s)),
         )
         for i, step in enumerate(iter_token_patches(loaded, prompt, s, should_stop)):
             progress(f"token {i + 1}/{s.max_new_tokens}", i + 1, s.max_new_tokens)

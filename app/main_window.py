@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.jobs import ModelReady, RunStarted, load_job, run_job
+from app.panels.control_panel import QtControlPanel
 from app.panels.generation_panel import QtGenerationPanel
 from app.panels.input_panel import QtInputPanel
 from app.panels.model_panel import QtModelPanel
@@ -89,6 +90,7 @@ class MainWindow(QMainWindow):
         self.generation = QtGenerationPanel(self.state)
         self.plots = QtPlotsPanel(self.state)
         self.patches = QtPatchPanel(self.state)
+        self.controls = QtControlPanel(self.state)
         self.banner = _ErrorBanner()
         self._build_layout()
         self._build_status_bar()
@@ -121,6 +123,7 @@ class MainWindow(QMainWindow):
         self.tabs = QTabWidget()
         self.tabs.addTab(self.plots, "Per-token plots")
         self.tabs.addTab(self.patches, "Patch explorer")
+        self.tabs.addTab(self.controls, "Controllability")
         right = QSplitter(Qt.Orientation.Vertical)
         right.addWidget(self.generation)
         right.addWidget(self.tabs)
@@ -177,6 +180,7 @@ class MainWindow(QMainWindow):
         self._action(view, "&Next token", "Alt+Right", lambda: self._step_selection(+1))
         self._action(view, "Per-token &plots", "Ctrl+1", lambda: self.tabs.setCurrentIndex(0))
         self._action(view, "Patch &explorer", "Ctrl+2", lambda: self.tabs.setCurrentIndex(1))
+        self._action(view, "&Controllability", "Ctrl+3", lambda: self.tabs.setCurrentIndex(2))
 
     # -- model and runs -------------------------------------------------------------------------
     @property

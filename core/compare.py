@@ -432,6 +432,7 @@ def _layer_info(lp: LayerPatch) -> dict[str, Any]:
         "hard_case": lp.hard_case,
         "zero_z": lp.zero_z,
         "zero_h": lp.zero_h,
+        "zero_s": lp.zero_s,
     }
 
 

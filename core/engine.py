@@ -67,6 +67,7 @@ class LayerPatch:
     zero_h: bool = False  # the output matrix saw h = 0: no output patch possible
     div_by_one: int = 0  # scale-patch coordinates with N(h)_j = 0
     hard_case: bool = False  # stable update: the secular equation had no interior root
+    zero_s: bool = False  # MoE: the active routing weights summed to 0, no expert can absorb dv
     block_error: float = float("nan")  # max |T - T_C| at the query after patching
 
 
@@ -405,7 +406,9 @@ class _LayerPatcher:
         s_sum = weights.reshape(-1, weights.shape[-1])[-1].to(self.dtype).sum()
         use_input = "input" not in self.spec.disabled
         use_output = "output" not in self.spec.disabled
-        dv = self._shift() / s_sum if use_output else None
+        if use_output and float(s_sum) == 0.0:
+            self.result.zero_s = True
+        dv = self._shift() / s_sum if use_output and not self.result.zero_s else None
         pairs: list[tuple[Tensor, Tensor]] = []
         for e in dict.fromkeys(active):
             gate_up = module.gate_up_proj[e].detach().to(self.dtype)  # (2f, d)
@@ -478,6 +481,8 @@ class _LayerPatcher:
         return _replace_output(output, patched)
 
     def on_block(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self.result.shift_norm == 0.0 and self.v_parts:  # output frozen: still measure |dv|
+            self._shift()
         if self.t.block is not None:
             t = _q(_first_output(output), self.dtype)
             self.result.block_error = float((t - self.t.block).abs().max())

@@ -22,6 +22,8 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 METHODS = ("direct", "stable")
 ABSORB = ("context", "all")
 SCOPES = ("all-positions", "query")
+ABLATIONS = ("input and output", "no input patches", "no output patches (frozen)")
+DISABLED = {ABLATIONS[0]: [], ABLATIONS[1]: ["input"], ABLATIONS[2]: ["output"]}
 TIPS = {
     "method": "direct: Theorem 1's controls. stable: Appendix B, most of the output correction "
               "in the down matrix, the rest in the norm scale.",
@@ -69,6 +71,10 @@ class QtModelPanel(QGroupBox):
         self.absorb = _combo(ABSORB)
         self.scope = _combo(SCOPES)
         self.layers = QLineEdit("all")
+        self.patches = _combo(ABLATIONS)
+        self.patches.setToolTip("Leave out a kind of patch (ablation). Without output patches "
+                                "the output control is frozen; the controllability tab shows "
+                                "where the attention shift exceeds what is then reachable.")
         self.control = _combo(("default",))
         self.control.setToolTip("The output control that absorbs the attention's shift "
                                 "(default: the paper's choice for the family)")
@@ -85,6 +91,7 @@ class QtModelPanel(QGroupBox):
         form.addRow("Scope", self.scope)
         form.addRow("Layers", self.layers)
         form.addRow("Output control", self.control)
+        form.addRow("Patches", self.patches)
         self.browse.clicked.connect(self.browse_folder)
         self.load.clicked.connect(self.load_requested)
         self.model.currentTextChanged.connect(self._on_model_edited)
@@ -140,6 +147,7 @@ class QtModelPanel(QGroupBox):
             "scope": self.scope.currentText(),
             "layers": self.layers.text().strip() or "all",
             "output_control": None if control == "default" else control,
+            "disabled": DISABLED[self.patches.currentText()],
         }
 
     def save(self) -> dict[str, Any]:
@@ -158,6 +166,10 @@ class QtModelPanel(QGroupBox):
             box: QComboBox = getattr(self, name)
             if value and (box.isEditable() or box.findText(str(value)) >= 0):
                 box.setCurrentText(str(value))
+        disabled = sorted(data.get("disable") or data.get("disabled") or [])
+        for text, kinds in DISABLED.items():
+            if kinds == disabled:
+                self.patches.setCurrentText(text)
         if data.get("layers"):
             self.layers.setText(str(data["layers"]))
         self._on_model_edited()

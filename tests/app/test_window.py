@@ -46,6 +46,10 @@ def test_a_run_fills_both_panes_and_the_plots(qtbot: Any, window: MainWindow) ->
     assert set(counts.values()) == {N}, counts
     assert window.patches.heatmap_shape() == (LAYERS, N)
     assert "Done" in window.status_label.text()
+    rows = window.controls.rows()  # the controllability tab: one row per patched layer
+    assert [r[0] for r in rows] == [str(i) for i in range(LAYERS)]
+    assert all(r[-1] == "all conditions held" for r in rows), rows
+    assert "mlp.down_proj.weight" in rows[0][2]
     assert window.model is not None and window.model.info["family"].startswith("Llama")
 
 
@@ -122,6 +126,14 @@ def test_export_json_and_csv(qtbot: Any, window: MainWindow, tmp_path: Any) -> N
     assert record["settings"]["context"] == "Alice lives in Paris."
     assert window.export("csv", str(tmp_path / "run.csv"))
     assert len((tmp_path / "run.csv").read_text().strip().splitlines()) == N + 1
+
+
+def test_frozen_output_is_an_ablation_in_the_window(qtbot: Any, window: MainWindow) -> None:
+    window.model_panel.patches.setCurrentIndex(2)  # no output patches
+    assert _run(qtbot, window) == "completed"
+    assert window.state.started.settings["disabled"] == ["output"]
+    assert max(s.patched.linf for s in window.state.steps) > 1e-3  # the shift is not absorbed
+    assert window.controls.rows()[0][2] == "—"
 
 
 def test_presets_fill_the_inputs(window: MainWindow) -> None:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny import gemma3_config, tiny_tokenizer
+from tiny import gemma3_config
 
 from app.cli import main
 
@@ -18,13 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A saved tiny Gemma 3 model folder with its tokenizer."""
-    from tiny import tiny_loaded
+    from tiny import save_tiny_folder
 
-    folder = tmp_path_factory.mktemp("tiny-gemma3")
-    loaded = tiny_loaded(gemma3_config(), dtype=__import__("torch").float32)
-    loaded.model.save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
+    return Path(save_tiny_folder(tmp_path_factory.mktemp("tiny-gemma3"), gemma3_config()))
 
 
 def _err(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
@@ -135,3 +131,21 @@ def test_cli_start_does_not_import_torch() -> None:
     code = "import sys, app.cli; sys.exit(1 if 'torch' in sys.modules else 0)"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_compare_reports_controllability_and_a_frozen_output(capsys: pytest.CaptureFixture[str],
+                                                              tiny_folder: Path, tmp_path: Path) -> None:
+    import json
+
+    out = tmp_path / "run.json"
+    code = main(["compare", "--model", str(tiny_folder), "--context", "The fox.", "--query", "Hello",
+                 "--max-new-tokens", "3", "--disable", "output", "--json", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "output none (frozen)" in captured.err and "conditions:" in captured.err
+    record = json.loads(out.read_text())
+    plans = record["controllability"]["plan"]
+    assert [p["layer"] for p in plans] == list(range(len(plans))) and plans[0]["outputs"] == []
+    assert plans[0]["frozen_bound"] > 0
+    assert set(record["controllability"]["outcome"]) == {str(p["layer"]) for p in plans}
+    assert record["settings"]["disabled"] == ["output"]

@@ -1,0 +1,151 @@
+"""The controllability report (PAPER.md section 4's conditions, section 7's bound).
+
+Before a run, `plan` says per patched layer which parameters carry the input and output
+controls and which conditions the construction needs at every token (``z != 0`` for a rank-1
+input patch, ``h != 0`` for an output matrix, every ``N(h)_j != 0`` for a scale, ``S != 0`` for
+the experts), plus what can be seen in the weights already (a post-norm scale with exact zeros,
+where the stable update's remainder divides by ~0). After a run, `outcome` counts per layer how
+often a condition failed and what was done (division by one, the hard case's fallback, a
+skipped patch). When a post-norm family's scale is frozen (output patches disabled), no
+upstream change can move the branch by more than ``2 sqrt(d) max|m|``: the plan gives that
+bound and `outcome` flags the steps whose attention shift ``|dv|`` exceeds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # `outcome` and `summary_lines` run in the window's thread without torch
+    from core.compare import Settings, StepResult
+    from core.loading import LoadedModel
+
+CONDITIONS = {
+    "input": "z != 0 (the input matrices' input at the query)",
+    "matrix": "h != 0 (the output matrix's input)",
+    "bias": "none (a bias can add any shift)",
+    "scale": "every N(h)_j != 0 (else that coordinate divides by one and stays off)",
+    "experts": "S != 0 (the active routing weights' sum) and every active expert's h != 0",
+}
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    layer: int
+    inputs: tuple[str, ...]  # parameters patched at the input (rank-1)
+    outputs: tuple[str, ...]  # parameters of the output control
+    control: str
+    conditions: tuple[str, ...]
+    warnings: tuple[str, ...]
+    frozen_bound: float | None  # section 7 bound when the post-norm scale is frozen
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def plan(loaded: LoadedModel, settings: Settings) -> list[LayerPlan]:
+    """What the run will patch, per layer, and under which conditions."""
+    import torch
+
+    from core.compare import parse_layers, resolve_control
+    from core.patches import reachable_shift_bound
+
+    model, adapter = loaded.model, loaded.adapter
+    control = resolve_control(loaded, settings)
+    layers = adapter.layers(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    frozen = "output" in settings.disabled
+    plans = []
+    for i in parse_layers(settings.layers, len(layers)):
+        s = adapter.sites(layers[i])
+        inputs: list[str] = [f"{names[id(m)]}.weight" for _, m in s.inputs]
+        outputs: list[str] = []
+        conditions = [CONDITIONS["input"]]
+        warnings: list[str] = []
+        bound = None
+        if s.experts is not None and s.router is not None:
+            ex = names[id(s.experts)]
+            inputs = [f"{names[id(s.router)]}.weight", f"{ex}.gate_up_proj[active]"]
+            outputs = [f"{ex}.down_proj[active]"]
+            conditions.append(CONDITIONS["experts"])
+        elif control == "scale" and s.out_norm is not None:
+            norm = names[id(s.out_norm)]
+            outputs = [f"{norm}.weight"]
+            conditions.append(CONDITIONS["scale"])
+            m = adapter.norm_offset + s.out_norm.weight.detach().to(torch.float64)
+            zeros = int((m == 0).sum())
+            if zeros:
+                warnings.append(f"the scale m has {zeros} exact zero(s)"
+                                + (": the stable remainder divides by ~0 there"
+                                   if settings.method == "stable" else ""))
+            if settings.method == "stable" and s.out_matrix is not None:
+                outputs.insert(0, f"{names[id(s.out_matrix)]}.weight")
+            if frozen:
+                bound = reachable_shift_bound(m)
+        elif s.out_matrix is not None:
+            param = "bias" if control == "bias" else "weight"
+            kind = "bias" if control == "bias" else "matrix"
+            outputs = [f"{names[id(s.out_matrix)]}.{param}"]
+            conditions.append(CONDITIONS[kind])
+        if s.parallel:
+            warnings.append("parallel block: the input patches are ~0 once the layer input "
+                            "matches (they absorb upstream mismatch only)")
+        if "input" in settings.disabled:
+            inputs = []
+        if frozen:
+            outputs = []
+            warnings.append("output control frozen: the attention shift is not absorbed here")
+        plans.append(LayerPlan(i, tuple(inputs), tuple(outputs), control, tuple(conditions),
+                               tuple(warnings), bound))
+    return plans
+
+
+def outcome(steps: Sequence[StepResult], plans: Sequence[LayerPlan]) -> dict[int, dict[str, Any]]:
+    """Per layer: how often each condition failed over the run, and what was done."""
+    out: dict[int, dict[str, Any]] = {}
+    for p in plans:
+        infos = [s.layer_info.get(p.layer, {}) for s in steps]
+        shifts = [float(i.get("shift_norm", 0.0)) for i in infos]
+        row: dict[str, Any] = {
+            "steps": len(infos),
+            "zero_z": sum(bool(i.get("zero_z")) for i in infos),
+            "zero_h": sum(bool(i.get("zero_h")) for i in infos),
+            "zero_s": sum(bool(i.get("zero_s")) for i in infos),
+            "div_by_one_steps": sum(int(i.get("div_by_one", 0)) > 0 for i in infos),
+            "div_by_one_coordinates": sum(int(i.get("div_by_one", 0)) for i in infos),
+            "hard_case": sum(bool(i.get("hard_case")) for i in infos),
+            "max_shift": max(shifts, default=0.0),
+        }
+        if p.frozen_bound is not None:
+            row["bound"] = p.frozen_bound
+            row["beyond_bound_steps"] = [s.step for s, d in zip(steps, shifts, strict=True)
+                                         if d > p.frozen_bound]
+        out[p.layer] = row
+    return out
+
+
+def summary_lines(plans: Sequence[LayerPlan], result: dict[int, dict[str, Any]] | None = None
+                  ) -> list[str]:
+    """A few plain lines for the command line (the window shows the full table)."""
+    if not plans:
+        return []
+    p0 = plans[-1]
+    lines = [f"controls: {len(plans)} layer(s); input {', '.join(p0.inputs) or 'none'}; "
+             f"output {', '.join(p0.outputs) or 'none (frozen)'} (layer {p0.layer} shown)"]
+    warned = [p for p in plans if any("zero" in w for w in p.warnings)]
+    if warned:
+        lines.append("warning: " + "; ".join(f"layer {p.layer}: {p.warnings[0]}" for p in warned))
+    if result is not None:
+        failures = []
+        for layer, r in result.items():
+            parts = [f"{k.replace('_', ' ')} {r[k]}" for k in
+                     ("zero_z", "zero_h", "zero_s", "div_by_one_steps", "hard_case") if r[k]]
+            if r.get("beyond_bound_steps"):
+                parts.append(f"|dv| beyond the frozen-scale bound {r['bound']:.3g} at "
+                             f"{len(r['beyond_bound_steps'])} step(s)")
+            if parts:
+                failures.append(f"layer {layer}: " + ", ".join(parts))
+        lines.append("conditions: " + ("; ".join(failures) if failures
+                                       else "held at every patched layer and step"))
+    return lines

@@ -1,0 +1,79 @@
+"""The controllability report: the plan names the controls and what the weights show; the
+outcome counts failed conditions; a frozen scale's bound is flagged (PAPER.md sections 4, 7)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from tiny import gemma3_config, tiny_config, tiny_loaded
+
+from core.compare import Settings, iter_token_patches
+from core.controllability import outcome, plan, summary_lines
+from core.prompt import build_prompt
+
+CONTEXT, QUERY, TOKENS = "The quick brown fox jumps over the lazy dog.", "Hello world!", 4
+
+
+def _steps(loaded, settings):  # type: ignore[no-untyped-def]
+    prompt = build_prompt(loaded.tokenizer, CONTEXT, QUERY)
+    return list(iter_token_patches(loaded, prompt, settings))
+
+
+def test_plan_names_each_family_s_controls() -> None:
+    gemma = tiny_loaded(gemma3_config(layers=4))
+    p = plan(gemma, Settings(method="stable"))
+    assert [x.layer for x in p] == [0, 1, 2, 3]
+    assert p[2].inputs == ("model.layers.2.mlp.gate_proj.weight", "model.layers.2.mlp.up_proj.weight")
+    assert p[2].outputs == ("model.layers.2.mlp.down_proj.weight",
+                            "model.layers.2.post_feedforward_layernorm.weight")
+    gpt2 = plan(tiny_loaded(tiny_config("gpt2")), Settings())
+    assert gpt2[0].outputs == ("transformer.h.0.mlp.c_proj.bias",) and gpt2[0].control == "bias"
+    moe = plan(tiny_loaded(tiny_config("mixtral")), Settings(layers="3"))
+    assert moe[0].inputs[0] == "model.layers.3.mlp.gate.weight"
+    assert any("S != 0" in c for c in moe[0].conditions)
+    neox = plan(tiny_loaded(tiny_config("gpt_neox")), Settings())
+    assert any("parallel block" in w for w in neox[0].warnings)
+
+
+def test_a_zero_in_the_scale_is_seen_before_the_run() -> None:
+    gemma = tiny_loaded(gemma3_config(layers=4))
+    with torch.no_grad():  # m = 1 + weight = 0 in two coordinates of layer 1
+        gemma.model.model.layers[1].post_feedforward_layernorm.weight[:2] = -1.0
+    p = plan(gemma, Settings(method="stable"))
+    assert p[1].warnings == ("the scale m has 2 exact zero(s): the stable remainder divides by "
+                             "~0 there",)
+    assert p[0].warnings == () and p[2].warnings == ()
+    assert "layer 1" in summary_lines(p)[1]
+
+
+def test_a_zero_coordinate_of_h_is_counted_and_breaks_exactness() -> None:
+    """N(h)_j = 0 (a zero row of the last down matrix): that scale coordinate divides by one at
+    every step, and the shift it should have carried is left over in the logits."""
+    gemma = tiny_loaded(gemma3_config(layers=4))
+    with torch.no_grad():
+        gemma.model.model.layers[3].mlp.down_proj.weight[5] = 0.0
+    settings = Settings(max_new_tokens=TOKENS)
+    steps = _steps(gemma, settings)
+    result = outcome(steps, plan(gemma, settings))
+    assert result[3]["div_by_one_steps"] == TOKENS and result[3]["div_by_one_coordinates"] == TOKENS
+    assert all(result[i]["div_by_one_steps"] == 0 for i in (0, 1, 2))
+    assert max(s.patched.linf / s.logit_scale for s in steps) > 1e-4
+    assert "layer 3: div by one steps 4" in summary_lines(plan(gemma, settings), result)[-1]
+
+
+def test_a_frozen_scale_flags_shifts_beyond_its_bound() -> None:
+    gemma = tiny_loaded(gemma3_config(layers=4))
+    d = gemma.model.config.hidden_size
+    with torch.no_grad():  # m = 1e-3 everywhere in layer 2: the branch can barely move
+        gemma.model.model.layers[2].post_feedforward_layernorm.weight.fill_(1e-3 - 1.0)
+    settings = Settings(max_new_tokens=TOKENS, disabled=frozenset({"output"}))
+    p = plan(gemma, settings)
+    assert p[2].outputs == () and math.isclose(p[2].frozen_bound, 2 * math.sqrt(d) * 1e-3)
+    result = outcome(_steps(gemma, settings), p)
+    assert result[2]["beyond_bound_steps"] == list(range(TOKENS))
+    assert result[2]["max_shift"] > p[2].frozen_bound
+    assert "frozen-scale bound" in summary_lines(p, result)[-1]
+    # without freezing, the same layer absorbs it exactly
+    steps = _steps(gemma, Settings(max_new_tokens=TOKENS))
+    assert max(s.patched.linf / s.logit_scale for s in steps) < 1e-6
