@@ -26,6 +26,8 @@ CONDITIONS = {
     "matrix": "h != 0 (the output matrix's input)",
     "bias": "none (a bias can add any shift)",
     "scale": "every N(h)_j != 0 (else that coordinate divides by one and stays off)",
+    "frozen": "|dv| <= 2 sqrt(d) max|m| (beyond it no change before the frozen norm can "
+              "absorb the shift, PAPER.md section 7)",
     "experts": "S != 0 (the active routing weights' sum) and every active expert's h != 0",
 }
 
@@ -69,6 +71,13 @@ def plan(loaded: LoadedModel, settings: Settings) -> list[LayerPlan]:
             inputs = [f"{names[id(s.router)]}.weight", f"{ex}.gate_up_proj[active]"]
             outputs = [f"{ex}.down_proj[active]"]
             conditions.append(CONDITIONS["experts"])
+        elif control == "matrix" and s.out_norm is not None and s.out_matrix is not None:
+            outputs = [f"{names[id(s.out_matrix)]}.weight"]
+            conditions.append(CONDITIONS["frozen"])
+            warnings.append("the post-norm scale is frozen: the down matrix alone reaches the "
+                            "shift only where Appendix B's fit is exact")
+            m = adapter.norm_offset + s.out_norm.weight.detach().to(torch.float64)
+            bound = reachable_shift_bound(m)
         elif control == "scale" and s.out_norm is not None:
             norm = names[id(s.out_norm)]
             outputs = [f"{norm}.weight"]

@@ -353,9 +353,12 @@ class _LayerPatcher:
             sl = slice(-1, None) if spec.last_only else slice(None)
             out[:, sl] = (out[:, sl].to(d.delta.dtype) + d.delta).to(y.dtype)
             return _replace_output(output, out)
-        if spec.control in ("matrix", "experts"):  # (a dense layer of an MoE model: its down)
+        post_norm = self.s.out_norm is not None
+        if spec.control in ("matrix", "experts") and not post_norm:  # (experts: a dense layer)
             shift = self._shift() / self.s.branch_scale
-        elif spec.control == "scale" and spec.method == "stable":
+        elif post_norm and (spec.control == "matrix" or spec.method == "stable"):
+            # Appendix B's fit of the down output under the norm; with control "matrix" the
+            # scale stays frozen and the fit's residual is left over (PAPER.md section 7)
             assert self.s.out_norm is not None and self.t.down is not None
             m = self._scale()
             self.g = self._shift() + self.t.branch

@@ -34,7 +34,7 @@ ADAPTER = Adapter(
     family="Gemma 2 / Gemma 3",
     model_types=("gemma3_text", "gemma3", "gemma2"),
     sites=_sites,
-    output_controls=("scale",),
+    output_controls=("scale", "matrix"),
     norm_offset=1.0,
     notes=(
         "post-feedforward RMSNorm scale is 1 + weight; patches to it are added to weight",

@@ -32,7 +32,7 @@ ADAPTER = Adapter(
     family="OLMo 2",
     model_types=("olmo2",),
     sites=_sites,
-    output_controls=("scale",),
+    output_controls=("scale", "matrix"),
     norm_offset=0.0,
     notes=(
         "no pre-MLP norm: the input patches act on the raw residual stream",

@@ -77,3 +77,20 @@ def test_a_frozen_scale_flags_shifts_beyond_its_bound() -> None:
     # without freezing, the same layer absorbs it exactly
     steps = _steps(gemma, Settings(max_new_tokens=TOKENS))
     assert max(s.patched.linf / s.logit_scale for s in steps) < 1e-6
+
+
+def test_down_only_under_a_frozen_scale_is_the_section_7_case() -> None:
+    """Gemma with output control 'matrix': the scale stays frozen and only the down matrix moves;
+    the run is no longer exact, and with a tiny m the shift is flagged beyond the bound."""
+    gemma = tiny_loaded(gemma3_config(layers=4))
+    settings = Settings(max_new_tokens=TOKENS, output_control="matrix")
+    steps = _steps(gemma, settings)
+    assert max(s.patched.linf / s.logit_scale for s in steps) > 1e-4
+    assert all(lp["block_error"] > 1e-6 for s in steps for lp in s.layer_info.values())
+    assert set(steps[0].patch_norms[0]) == {  # no scale patch: only gate, up and down
+        f"model.layers.0.mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")}
+    with torch.no_grad():
+        gemma.model.model.layers[1].post_feedforward_layernorm.weight.fill_(1e-3 - 1.0)
+    p = plan(gemma, settings)
+    assert p[1].outputs == ("model.layers.1.mlp.down_proj.weight",) and p[1].frozen_bound
+    assert outcome(_steps(gemma, settings), p)[1]["beyond_bound_steps"] == list(range(TOKENS))
