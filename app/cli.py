@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from core import __version__
@@ -69,7 +70,12 @@ def _compare_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="the run as JSON ('-' for stdout)")
     p.add_argument("--csv", metavar="FILE", help="per-step metrics as CSV")
     p.add_argument("--save-patches", metavar="FILE", help="the patches as safetensors")
-    p.add_argument("--report", metavar="FILE", help="HTML report (PDF when FILE ends in .pdf)")
+    p.add_argument("--report", metavar="FILE",
+                   help="HTML report (PDF when FILE ends in .pdf); every plot also goes to "
+                        "FILE's name + '_plots/' as PNG and SVG")
+    p.add_argument("--verify", action="store_true",
+                   help="after the run, write each step's patches into the weights, run plain "
+                        "transformers and compare (the result goes to the JSON and the report)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
@@ -150,13 +156,12 @@ def run_compare(args: argparse.Namespace) -> int:
     say = _Progress(args.quiet)
     if args.image is not None:
         raise UserError("image context is not supported yet: give a text --context")
-    if args.report is not None:
-        raise UserError("--report is not available yet: use --json or --csv")
     settings = Settings(
         max_new_tokens=args.max_new_tokens, method=args.method, absorb=args.absorb,
         scope=args.scope, layers=args.layers, keep_bos=args.keep_bos,
         output_control=args.output_control, top_k=args.top_k, stop_at_eos=args.stop_at_eos,
-        keep_patches=args.save_patches is not None, disabled=frozenset(args.disable),
+        keep_patches=args.save_patches is not None or args.verify,
+        disabled=frozenset(args.disable),
     )
     settings.validate()
     if args.top_k < 1:
@@ -193,6 +198,15 @@ def run_compare(args: argparse.Namespace) -> int:
     record["controllability"] = {"plan": [p.to_dict() for p in plans],
                                  "outcome": {str(k): v for k, v in checks.items()}}
     say(summary_lines(plans, checks)[-1])
+    if args.verify:
+        record["verification"] = _verify_run(loaded, steps, settings, args.dtype, say)
+    if args.report:
+        from app.report import write_report
+        from core.records import run_from_record
+
+        report = Path(args.report)
+        write_report(run_from_record(record), report, report.with_name(f"{report.stem}_plots"))
+        say(f"wrote the report {report} and its plots in {report.stem}_plots/")
     if args.json == "-":
         import json
 
@@ -217,6 +231,28 @@ def run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tolerance(dtype: str, given: float | None = None) -> float:
+    if given is not None:
+        return given
+    return {"float64": 1e-3, "float32": 1e-2}.get(dtype, float("inf"))
+
+
+def _verify_run(loaded: Any, steps: list[Any], settings: Any, dtype: str, say: _Progress
+                ) -> dict[str, Any]:
+    from core.verify import patches_of_steps, verify_patches
+
+    checks = verify_patches(loaded, patches_of_steps(steps, settings.scope),
+                            progress=lambda d, t: say("verified step", d, t))
+    tol = _tolerance(dtype)
+    worst = max((c.linf / max(c.scale, 1e-30) for c in checks), default=0.0)
+    matches = sum(c.match for c in checks)
+    ok = matches == len(checks) and worst <= tol
+    say(f"{'verified' if ok else 'verification FAILED'}: {matches}/{len(checks)} tokens match "
+        f"with the patches written into the weights, max L-inf {worst:.3g} of the logit scale")
+    return {"ok": ok, "matches": matches, "steps": len(checks), "worst_relative_linf": worst,
+            "tolerance": tol if tol != float("inf") else None}
+
+
 def run_verify(args: argparse.Namespace) -> int:
     from core.verify import read_patches, verify_patches
 
@@ -228,9 +264,7 @@ def run_verify(args: argparse.Namespace) -> int:
         args.model = pf.metadata.get("model") or "demo"
     loaded = _load(args, dtype, say)
     checks = verify_patches(loaded, pf, progress=lambda d, t: say(f"verified step {d}", d, t))
-    tol = args.tolerance
-    if tol is None:
-        tol = {"float64": 1e-3, "float32": 1e-2}.get(dtype, float("inf"))
+    tol = _tolerance(dtype, args.tolerance)
     worst = max((c.linf / max(c.scale, 1e-30) for c in checks), default=0.0)
     matches = sum(c.match for c in checks)
     ok = matches == len(checks) and worst <= tol

@@ -19,6 +19,9 @@ WINDOW_OPTIONS = ("model", "dtype", "device", "method", "absorb", "scope", "laye
                   "disable")
 
 
+_WINDOWS: list[Any] = []
+
+
 def _setup_logging() -> str:
     import platformdirs
 
@@ -73,6 +76,7 @@ def run_app(args: argparse.Namespace) -> int:
     app.setOrganizationName("ctxpatch")
     options = window_options(args)
     window = MainWindow(autoload=not screenshot, options=options)
+    _WINDOWS.append(window)  # alive until the process ends (never destroyed mid-session)
     sys.excepthook = _excepthook
     window.show()
     logging.getLogger("ctxpatch").info("window shown %.2f s after start", time.perf_counter() - t0)

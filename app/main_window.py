@@ -167,8 +167,9 @@ class MainWindow(QMainWindow):
                      self._on_open_folder)
         self.save_action = self._action(file, "&Save run as JSON…", QKeySequence.StandardKey.Save,
                                         lambda: self.export("json"))
-        self.export_action = self._action(file, "&Export per-token CSV…", "Ctrl+E",
-                                          lambda: self.export("csv"))
+        self.export_action = self._action(file, "&Export report (HTML or PDF)…", "Ctrl+E",
+                                          lambda: self.export("report"))
+        self._action(file, "Export per-token &CSV…", "Ctrl+Shift+E", lambda: self.export("csv"))
         file.addSeparator()
         self._action(file, "&Quit", QKeySequence.StandardKey.Quit, self.close)
         run = bar.addMenu("&Run")
@@ -332,33 +333,63 @@ class MainWindow(QMainWindow):
     def _on_open_folder(self) -> None:
         self.model_panel.browse_folder()
 
-    def export(self, kind: str, path: str | None = None) -> bool:
-        """Write the current run as JSON or CSV; returns whether a file was written."""
+    def current_record(self) -> dict[str, Any] | None:
+        """The shown run as a run record (DESIGN.md "Run JSON"), or None before any run."""
         if not self.state.steps or self.state.started is None:
+            return None
+        if getattr(self.state.started, "record", None) is not None:
+            return self.state.started.record  # a run reopened from a session
+        from core.compare import Settings
+        from core.controllability import outcome
+        from core.export import run_record
+
+        started = self.state.started
+        extras = ("context", "query", "chat_template")
+        known = {k: v for k, v in started.settings.items() if k not in extras}
+        extra = {k: started.settings[k] for k in extras if k in started.settings}
+        extra.update(model=started.model.get("id"), dtype=started.model.get("dtype"),
+                     device=started.model.get("device"))
+        record = run_record(started.model, started.prompt, Settings.from_dict(known),
+                            self.state.steps, extra)
+        if started.plan:
+            record["controllability"] = {
+                "plan": [p.to_dict() for p in started.plan],
+                "outcome": {str(k): v for k, v in outcome(self.state.steps, started.plan).items()}}
+        return record
+
+    def export(self, kind: str, path: str | None = None) -> bool:
+        """Write the current run as JSON, CSV or a report (HTML, or PDF by the file's suffix);
+        returns whether a file was written."""
+        record = self.current_record()
+        if record is None:
             self.show_error("nothing to export yet: run a comparison first")
             return False
         if path is None:
-            filters = {"json": "Run JSON (*.json)", "csv": "Per-token CSV (*.csv)"}
-            path, _ = QFileDialog.getSaveFileName(self, "Export", f"ctxpatch-run.{kind}",
-                                                  filters[kind])
+            filters = {"json": "Run JSON (*.json)", "csv": "Per-token CSV (*.csv)",
+                       "report": "HTML report (*.html);;PDF report (*.pdf)"}
+            default = {"json": "ctxpatch-run.json", "csv": "ctxpatch-run.csv",
+                       "report": "ctxpatch-report.html"}[kind]
+            path, _ = QFileDialog.getSaveFileName(self, "Export", default, filters[kind])
             if not path:
                 return False
-        from core.compare import Settings
         from core.errors import UserError
-        from core.export import run_record, steps_csv, write_json, write_text
+        from core.export import steps_csv, write_json, write_text
 
-        started = self.state.started
-        known = {k: v for k, v in started.settings.items()
-                 if k not in ("context", "query", "chat_template")}
-        extra = {k: started.settings[k] for k in ("context", "query", "chat_template")}
-        extra.update(model=started.model["id"], dtype=started.model["dtype"],
-                     device=started.model["device"])
         try:
             if kind == "json":
-                write_json(path, run_record(started.model, started.prompt,
-                                            Settings.from_dict(known), self.state.steps, extra))
-            else:
+                write_json(path, record)
+            elif kind == "csv":
                 write_text(path, steps_csv(self.state.steps))
+            else:
+                from pathlib import Path
+
+                from app.report import write_report
+                from core.records import run_from_record
+
+                target = Path(path)
+                self.status_label.setText(f"Writing the report {path}…")
+                write_report(run_from_record(record), target,
+                             target.with_name(f"{target.stem}_plots"))
         except (UserError, OSError) as exc:
             self.show_error(f"cannot write {path}: {exc}")
             return False

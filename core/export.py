@@ -39,6 +39,9 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
     os.close(fd)
     try:
         write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; give it a normal file's mode
         os.replace(tmp, target)
     except OSError as exc:
         raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None

@@ -55,6 +55,7 @@ class Prompt:
             "segments": [{"kind": s.kind, "text": s.text, "ids": list(s.ids)} for s in self.segments],
             "full_input_ids": list(self.full_ids),
             "reduced_input_ids": list(self.reduced_prompt_ids),
+            "bos_id": self.bos_id,
         }
 
 

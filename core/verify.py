@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,12 +60,33 @@ def read_patches(path: str | Path) -> PatchFile:
         raise UserError(f"{path} has no readable step list in its metadata") from None
     pf = PatchFile(metadata=metadata, steps=steps)
     for key, tensor in tensors.items():
-        m = _NAME.match(key)
-        if m is None:
-            raise UserError(f"{path}: unexpected tensor name {key!r}")
-        step, param, index, part = int(m[1]), m[2], m[3], m[4]
-        slot = pf.patches.setdefault(step, {}).setdefault((param, None if index is None else int(index)), {})
-        slot[part] = tensor
+        _add_tensor(pf, key, tensor, str(path))
+    return pf
+
+
+def _add_tensor(pf: PatchFile, key: str, tensor: torch.Tensor, source: str) -> None:
+    m = _NAME.match(key)
+    if m is None:
+        raise UserError(f"{source}: unexpected tensor name {key!r}")
+    step, param, index, part = int(m[1]), m[2], m[3], m[4]
+    slot = pf.patches.setdefault(step, {}).setdefault(
+        (param, None if index is None else int(index)), {})
+    slot[part] = tensor
+
+
+def patches_of_steps(steps: Sequence[Any], scope: str) -> PatchFile:
+    """The patches a run kept (``Settings.keep_patches``), as if saved and read back, so a run
+    can be verified in memory (``ctxpatch compare --verify``)."""
+    pf = PatchFile(metadata={"scope": scope}, steps=[])
+    for s in steps:
+        if s.patches is None:
+            raise UserError("this run kept no patches to verify (keep_patches was off)")
+        pf.steps.append({"full_input_ids": list(s.full_input_ids),
+                         "reduced_input_ids": list(s.reduced_input_ids),
+                         "reduced_position_ids": None if s.reduced_position_ids is None
+                         else list(s.reduced_position_ids)})
+        for name, arr in s.patches.items():
+            _add_tensor(pf, f"step.{s.step}.{name}", torch.from_numpy(arr), "the run")
     return pf
 
 

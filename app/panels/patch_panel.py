@@ -48,6 +48,7 @@ class QtPatchPanel(QWidget):
         self.heat_plot.addItem(self.cursor, ignoreBounds=True)
         self.profile = self.graphics.addPlot(row=1, col=0)
         self.profile.setLabel("bottom", "layer")
+        self.profile.getAxis("left").enableAutoSIPrefix(False)
         self.profile.setLabel("left", "log10 norm")  # drawn as log10 values: a log axis
         # labels every minor tick when the range is under a decade
         self.profile.showGrid(x=True, y=True, alpha=0.2)

@@ -19,7 +19,7 @@ from app.theme import style_graphics
 #: log plots cannot show 0; exact zeros are drawn at this floor
 FLOOR = 1e-12
 PATCHED = (40, 110, 220)
-CONTROL = (150, 150, 150)
+CONTROL = (120, 120, 120)
 MISMATCH = (220, 40, 40)
 
 

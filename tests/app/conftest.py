@@ -24,3 +24,20 @@ def settings(tmp_path):  # type: ignore[no-untyped-def]
     from PySide6.QtCore import QSettings
 
     return QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
+
+
+#: Windows are closed after their test but never destroyed mid-session: destroying a window
+#: whose pyqtgraph items still have Python-owned menus can deadlock inside Qt when Python's
+#: garbage collector runs during the C++ destructor (seen as a hang in QObject::~QObject).
+_KEPT: list[object] = []
+
+
+@pytest.fixture
+def keep(qtbot):  # type: ignore[no-untyped-def]
+    """Register a window: shown for the test, closed after it, kept alive to the end."""
+    windows: list[object] = []
+    yield windows.append
+    for w in windows:
+        w.close()  # type: ignore[attr-defined]
+        _KEPT.append(w)
+    qtbot.wait(1)

@@ -41,9 +41,9 @@ def _step(i: int) -> StepResult:
 
 
 @pytest.fixture
-def window(qtbot: Any, settings: Any) -> MainWindow:
+def window(qtbot: Any, keep: Any, settings: Any) -> MainWindow:
     w = MainWindow(settings=settings, autoload=False)
-    qtbot.addWidget(w)
+    keep(w)
     w.show()
     prompt = Prompt((Segment("context", "CTX ", (1,)), Segment("query", "Q?", (2,))))
     w.state.reset(RunStarted(settings={"max_new_tokens": len(TEXTS), "absorb": "context"},

@@ -15,9 +15,9 @@ LAYERS = 4  # tests/tiny.py llama_config
 
 
 @pytest.fixture
-def window(qtbot: Any, settings: Any, tiny_model_dir: str) -> MainWindow:
+def window(qtbot: Any, keep: Any, settings: Any, tiny_model_dir: str) -> MainWindow:
     w = MainWindow(model=tiny_model_dir, settings=settings, autoload=False)
-    qtbot.addWidget(w)
+    keep(w)
     w.input_panel.context.setPlainText("Alice lives in Paris.")
     w.input_panel.query.setPlainText("Where does Alice live?")
     w.input_panel.max_tokens.setValue(N)
@@ -105,12 +105,12 @@ def test_bad_input_is_one_line_and_keeps_the_text(qtbot: Any, window: MainWindow
     assert "out of range" in window.last_error
 
 
-def test_settings_persist(qtbot: Any, window: MainWindow, settings: Any) -> None:
+def test_settings_persist(qtbot: Any, keep: Any, window: MainWindow, settings: Any) -> None:
     window.input_panel.context.setPlainText("Remember me.\nTwo lines.")
     window.model_panel.method.setCurrentText("stable")
     window.close()
     again = MainWindow(settings=settings, autoload=False)
-    qtbot.addWidget(again)
+    keep(again)
     assert again.input_panel.context.toPlainText() == "Remember me.\nTwo lines."
     assert again.model_panel.method.currentText() == "stable"
     assert again.input_panel.max_tokens.value() == N

@@ -1,0 +1,62 @@
+"""Reports from the command line and the window: HTML and PDF with the plots embedded, every plot
+as PNG and SVG, user text escaped, the verification in."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from app.cli import main
+
+CONTEXT = "<script>alert('x')</script> & Alice lives in Paris."
+
+
+def _compare(model: str, tmp_path: Path, report: str, *extra: str) -> dict[str, Any]:
+    out = tmp_path / "run.json"
+    code = main(["compare", "--model", model, "--context", CONTEXT, "--query", "Where?",
+                 "--max-new-tokens", "3", "--quiet", "--json", str(out), "--report",
+                 str(tmp_path / report), *extra])
+    assert code == 0
+    return json.loads(out.read_text())
+
+
+def test_html_report_is_self_contained_and_escaped(qtbot: Any, tiny_model_dir: str,
+                                                    tmp_path: Path) -> None:
+    record = _compare(tiny_model_dir, tmp_path, "r.html", "--verify")
+    text = (tmp_path / "r.html").read_text()
+    assert "<script>" not in text and "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in text
+    images = re.findall(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"', text)
+    assert len(images) == 1 + 3  # per-token plots, and gate, up, down patch norms
+    assert record["verification"]["ok"] and record["verification"]["steps"] == 3
+    assert "worst_relative_linf" in text
+    plots = tmp_path / "r_plots"
+    names = sorted(p.name for p in plots.iterdir())
+    assert "per-token.png" in names and "per-token.svg" in names and len(names) == 8
+    assert (plots / "per-token.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "<svg" in (plots / "per-token.svg").read_text()[:2000]
+
+
+def test_pdf_report(qtbot: Any, tiny_model_dir: str, tmp_path: Path) -> None:
+    _compare(tiny_model_dir, tmp_path, "r.pdf")
+    data = (tmp_path / "r.pdf").read_bytes()
+    assert data[:5] == b"%PDF-" and len(data) > 20_000 and b"/Image" in data
+
+
+def test_the_window_exports_the_same_report(qtbot: Any, keep: Any, tiny_model_dir: str,
+                                            settings: Any, tmp_path: Path) -> None:
+    from app.main_window import MainWindow
+
+    w = MainWindow(model=tiny_model_dir, settings=settings, autoload=False)
+    keep(w)
+    w.input_panel.context.setPlainText(CONTEXT)
+    w.input_panel.query.setPlainText("Where?")
+    w.input_panel.max_tokens.setValue(3)
+    with qtbot.waitSignal(w.run_finished, timeout=60_000):
+        w.start_run()
+    assert w.export("report", str(tmp_path / "w.html"))
+    text = (tmp_path / "w.html").read_text()
+    assert "&lt;script&gt;" in text and text.count("data:image/png;base64,") == 4
+    assert w.export("report", str(tmp_path / "w.pdf"))
+    assert (tmp_path / "w.pdf").read_bytes()[:5] == b"%PDF-"
