@@ -110,6 +110,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="max logit L-inf difference relative to the logit scale "
                              "(default: 1e-3 float64, 1e-2 float32, token match only in 16-bit)")
     verify.add_argument("--json", metavar="FILE", help="the per-step checks as JSON")
+    repro = sub.add_parser(
+        "reproduce", help="the paper's experiments: 5 prompts x {direct, stable} x "
+                          "{float32, bfloat16}, absorb all, plus a start-layer sweep; one report",
+        description="Runs resume: each finished run is saved under OUT/runs and reused.")
+    repro.add_argument("--model", default="demo", help="hub id, local folder, 'demo' or 'smollm2'")
+    repro.add_argument("--out", default="ctxpatch-reproduction", help="output folder")
+    repro.add_argument("--device", default="auto")
+    repro.add_argument("--max-new-tokens", type=int, default=20)
+    repro.add_argument("--prompts", type=int, default=5, help="use the first N of the 5 prompts")
+    repro.add_argument("--dtypes", default="float32,bfloat16")
+    repro.add_argument("--sweep", default=None,
+                       help="first patched layers to sweep, e.g. '0,4,9' (default: five "
+                            "spread over the model)")
     return parser
 
 
@@ -298,6 +311,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_compare(args)
         if args.command == "verify":
             return run_verify(args)
+        if args.command == "reproduce":
+            from app.reproduce import run as run_reproduce
+
+            for d in args.dtypes.split(","):
+                if d not in ("float32", "bfloat16", "float16", "float64"):
+                    raise UserError(f"unknown dtype {d!r} in --dtypes: use float32, bfloat16, "
+                                    "float16 or float64, separated by commas")
+            return run_reproduce(args, _Progress(False))
         return _open_window(args)
     except UserError as exc:
         print(f"ctxpatch: error: {exc}", file=sys.stderr)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import html
 import os
+import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,6 +36,13 @@ def ensure_app() -> Any:
     if app is None:
         if not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
             os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+        from PySide6.QtCore import qInstallMessageHandler
+
+        def quiet(kind: Any, context: Any, message: str) -> None:
+            if "propagateSizeHints" not in message:  # the offscreen platform's only complaint
+                print(message, file=sys.stderr)
+
+        qInstallMessageHandler(quiet)
         app = QApplication([])
     return app
 

@@ -1,0 +1,195 @@
+"""``ctxpatch reproduce``: the paper's experiments, one report (PAPER.md section 6).
+
+The grid runs in core (`core.experiments`); this module draws Figure 4 (TVD on a log scale and
+token match per method and dtype) and the start-layer sweep with pyqtgraph, and writes
+``report.html`` with those, Figure-3-style per-token plots of the first prompt per setting, and
+a table of every number. Qt is imported only once the runs are done.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from core import experiments as ex
+
+
+def _fmt(x: Any) -> str:
+    if x is None:
+        return "—"
+    return f"{x:.3g}" if isinstance(x, float) else str(x)
+
+
+def _figure4(rows: list[dict[str, Any]], records: dict[str, Any], prompts: int) -> Any:
+    import numpy as np
+    import pyqtgraph as pg
+
+    from app.report import ensure_app
+
+    ensure_app()
+    graphics = pg.GraphicsLayoutWidget()
+    graphics.setBackground("w")
+    labels = [(i, f"{r['dtype']}\n{r['method']}") for i, r in enumerate(rows)]
+    tvd_plot = graphics.addPlot(row=0, col=0, title="TVD per token (log scale)")
+    tvd_plot.setLogMode(y=True)
+    rng = np.random.default_rng(0)
+    for i, r in enumerate(rows):
+        tvd = np.array([max(float(s["tvd"]), 1e-12) for p in range(prompts)
+                        for s in records.get(f"{r['dtype']}-{r['method']}-p{p + 1}",
+                                             {"steps": []})["steps"]])
+        x = i + rng.uniform(-0.15, 0.15, len(tvd))
+        tvd_plot.plot(x, tvd, pen=None, symbol="o", symbolSize=5,
+                      symbolBrush=(40, 110, 220, 120), symbolPen=None)
+        med = float(np.median(tvd)) if len(tvd) else math.nan
+        tvd_plot.plot([i - 0.3, i + 0.3], [med, med], pen=pg.mkPen((200, 40, 40), width=3))
+    match_plot = graphics.addPlot(row=0, col=1, title="token match rate")
+    match_plot.addItem(pg.BarGraphItem(x=list(range(len(rows))), height=[r["match_rate"] for r in rows],
+                                       width=0.6, brush=(40, 110, 220)))
+    match_plot.setYRange(0, 1.05)
+    for plot in (tvd_plot, match_plot):
+        plot.getAxis("bottom").setTicks([labels])
+        plot.showGrid(y=True, alpha=0.25)
+    return graphics
+
+
+def _sweep_figure(rows: list[dict[str, Any]]) -> Any:
+    import pyqtgraph as pg
+
+    from app.report import ensure_app
+
+    ensure_app()
+    graphics = pg.GraphicsLayoutWidget()
+    graphics.setBackground("w")
+    xs = [r["start_layer"] for r in rows]
+    match = graphics.addPlot(row=0, col=0, title="token match vs first patched layer")
+    match.plot(xs, [r["matches"] / r["tokens"] for r in rows], symbol="o",
+               pen=pg.mkPen((40, 110, 220), width=2))
+    match.setYRange(0, 1.05)
+    scale = [(x, r["max_abs_scale_patch"]) for x, r in zip(xs, rows, strict=True)
+             if r["max_abs_scale_patch"]]
+    norm = graphics.addPlot(row=0, col=1, title="largest |scale patch| (log)")
+    norm.setLogMode(y=True)
+    if scale:
+        norm.plot([x for x, _ in scale], [y for _, y in scale], symbol="o",
+                  pen=pg.mkPen((200, 40, 40), width=2))
+    for plot in (match, norm):
+        plot.setLabel("bottom", "first patched layer s (layers s..L-1)")
+        plot.showGrid(x=True, y=True, alpha=0.25)
+    return graphics
+
+
+def _image(graphics: Any, size: tuple[int, int] = (1100, 420)) -> tuple[bytes, bytes]:
+    from PySide6.QtCore import Qt
+    from PySide6.QtWidgets import QApplication
+
+    from app.report import _png, _svg
+
+    graphics.setAttribute(Qt.WidgetAttribute.WA_DontShowOnScreen)
+    graphics.resize(*size)
+    graphics.show()
+    QApplication.processEvents()
+    out = _png(graphics), _svg(graphics)
+    graphics.hide()
+    return out
+
+
+def _table(rows: list[list[Any]], header: list[str]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in r) + "</tr>"
+                   for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def write_reproduction(out: Path, model: str, records: dict[str, Any], rows: list[dict[str, Any]],
+                       sweep: list[dict[str, Any]], dtypes: list[str], prompts: int) -> Path:
+    from app.report import _data_uri, plot_images
+    from core.export import atomic_write, write_json, write_text
+    from core.records import run_from_record
+
+    plots = out / "plots"
+    plots.mkdir(parents=True, exist_ok=True)
+    images: dict[str, tuple[bytes, bytes]] = {"figure4": _image(_figure4(rows, records, prompts))}
+    if sweep:
+        images["sweep"] = _image(_sweep_figure(sweep))
+    for d in dtypes:
+        for m in ex.METHODS:
+            name = f"{d}-{m}-p1"
+            if name in records:
+                images[f"figure3-{name}"] = plot_images(run_from_record(records[name]))["per-token"]
+    for name, (png, svg) in images.items():
+        for ext, data in (("png", png), ("svg", svg)):
+            atomic_write(plots / f"{name}.{ext}", lambda tmp, data=data: Path(tmp).write_bytes(data))
+    write_json(out / "summary.json", {"model": model, "summary": rows, "sweep": sweep})
+    summary = _table([[r["dtype"], r["method"], f"{r['match_rate']:.1%}",
+                       "/".join(map(str, r["per_prompt_matches"])), r["median_tvd"], r["mean_tvd"],
+                       r["max_linf"], f"{r['control_match_rate']:.1%}", r["max_abs_scale_patch"],
+                       r["seconds"]] for r in rows],
+                     ["dtype", "method", "token match", "matches per prompt", "median TVD",
+                      "mean TVD", "max logit L∞", "control match", "max |scale patch|",
+                      "seconds"])
+    sweep_table = _table([[r["start_layer"], f"{r['matches']}/{r['tokens']}", r["max_linf"],
+                           r["median_tvd"], r["max_abs_scale_patch"]] for r in sweep],
+                         ["first patched layer", "token match", "max logit L∞", "median TVD",
+                          "max |scale patch|"])
+    runs = _table([[name, r["summary"]["patched"]["matches"], r["summary"]["patched"]["max_linf"],
+                    r["summary"]["patched"]["median_tvd"], r["summary"]["control"]["max_linf"]]
+                   for name, r in sorted(records.items())],
+                  ["run", "matches", "max logit L∞", "median TVD", "control max L∞"])
+    figure3 = "".join(
+        f"<h3>{html.escape(name.removeprefix('figure3-'))} (prompt 1)</h3>"
+        f"<p><img src=\"{_data_uri(png)}\" width=\"680\"></p>"
+        for name, (png, _) in images.items() if name.startswith("figure3-"))
+    prompts_list = "".join(f"<li>{html.escape(p)}</li>" for p in ex.PAPER_PROMPTS[:prompts])
+    page = f"""<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>ctxpatch reproduction</title>
+<style>body {{ font-family: sans-serif; max-width: 62em; margin: 2em auto; }}
+table {{ border-collapse: collapse; }} td, th {{ border: 1px solid #999; padding: 2px 6px; }}
+</style></head><body>
+<h1>The paper's experiments on {html.escape(model)}</h1>
+<p>Absorb <b>all</b> (at every step the patched model sees only the current token at its
+absolute position), greedy, teacher forcing on each precision's own baseline,
+{html.escape(str(records and next(iter(records.values()))['summary']['tokens']))} tokens per
+prompt. Prompts:</p><ol>{prompts_list}</ol>
+<h2>Figure 4: TVD and token match per method and dtype</h2>
+<p><img src="{_data_uri(images['figure4'][0])}" width="680"></p>
+{summary}
+<h2>Start-layer sweep (prompt 1, {html.escape(dtypes[0])}, direct)</h2>
+{f'<p><img src="{_data_uri(images["sweep"][0])}" width="680"></p>' if sweep else ''}
+{sweep_table}
+<h2>Figure 3: per-token metrics</h2>
+{figure3}
+<h2>Every run</h2>
+{runs}
+</body></html>
+"""
+    write_text(out / "report.html", page)
+    return out / "report.html"
+
+
+def run(args: Any, say: Any) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = args.prompts
+    if not 1 <= prompts <= len(ex.PAPER_PROMPTS):
+        from core.errors import UserError
+
+        raise UserError(f"--prompts must be between 1 and {len(ex.PAPER_PROMPTS)}")
+    dtypes = list(args.dtypes.split(","))
+    records = ex.run_grid(args.model, out, ex.grid(prompts, dtypes, []), args.max_new_tokens,
+                          args.device, say)
+    num_layers = int(next(iter(records.values()))["model"]["num_layers"])
+    sweep_layers = ([int(s) for s in args.sweep.split(",")] if args.sweep
+                    else ex.default_sweep(num_layers))
+    records.update(ex.run_grid(args.model, out, ex.grid(0, dtypes, sweep_layers),
+                               args.max_new_tokens, args.device, say))
+    rows = ex.summary(records, dtypes, prompts)
+    report = write_reproduction(out, args.model, records, rows,
+                                ex.sweep_rows(records, sweep_layers), dtypes, prompts)
+    say(f"wrote {report} (and summary.json, plots/, runs/)")
+    for r in rows:
+        print(f"{r['dtype']:9s} {r['method']:7s} match {r['match_rate']:.1%}  "
+              f"median TVD {r['median_tvd']:.3g}  max L-inf {r['max_linf']:.3g}")
+    return 0

@@ -1,0 +1,163 @@
+"""The paper's experiments in one command (PAPER.md section 6): the five prompts x {direct,
+stable} x {float32, bfloat16}, absorb "all", greedy, 20 tokens; then a start-layer sweep (patch
+only layers s..L-1) on the first prompt. Every run is saved as its own record the moment it
+ends, so an interrupted reproduction resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from core.errors import UserError
+
+PAPER_PROMPTS = (
+    "Write a single-sentence weather forecast for Mars, from the perspective of a slightly "
+    "annoyed robot:",
+    "Constraint: No 'e's. Topic: The meaning of life. Length: Exactly 20 words. Write:",
+    "Explain what a 'bug' is in computer programming, but explain it to a 16th-century medieval "
+    "peasant. Use 20 words or less:",
+    "Topic: Three siblings named Jack, Fred, and Alice. Task: Write one 5-7-5 haiku about them:",
+    "We can absorb the impact of a prompt for a modern language model such as Gemma into the "
+    "MLP weights. Write a two-line rhyming couplet about this fact:",
+)
+DTYPES = ("float32", "bfloat16")
+METHODS = ("direct", "stable")
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str  # file stem under runs/
+    dtype: str
+    method: str
+    prompt: int  # index into the prompts
+    layers: str = "all"
+
+
+def grid(prompts: int, dtypes: Sequence[str], sweep: Sequence[int]) -> list[Job]:
+    jobs = [Job(f"{d}-{m}-p{p + 1}", d, m, p) for d in dtypes for m in METHODS
+            for p in range(prompts)]
+    jobs += [Job(f"sweep-s{s}", dtypes[0], "direct", 0, f"{s}:") for s in sweep]
+    return jobs
+
+
+def _saved(path: Path) -> dict[str, Any] | None:
+    """A finished run's record, or None when missing or unreadable (then it is redone)."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("steps") else None
+
+
+def run_grid(model: str, out: Path, jobs: Sequence[Job], tokens: int, device: str = "auto",
+             say: Callable[[str], None] = print, should_stop: Callable[[], bool] | None = None,
+             ) -> dict[str, dict[str, Any]]:
+    """Run (or reuse) every job; returns {job name: record}."""
+    from core.compare import Settings, iter_token_patches
+    from core.controllability import outcome, plan
+    from core.export import run_record, write_json
+    from core.loading import load_model
+    from core.prompt import build_prompt
+
+    runs_dir = out / "runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    records: dict[str, dict[str, Any]] = {}
+    loaded: Any = None
+    for i, job in enumerate(jobs):
+        path = runs_dir / f"{job.name}.json"
+        saved = _saved(path)
+        if saved is not None:
+            records[job.name] = saved
+            say(f"[{i + 1}/{len(jobs)}] {job.name}: reusing {path}")
+            continue
+        if loaded is None or str(loaded.dtype).removeprefix("torch.") != job.dtype:
+            loaded = None  # free the other precision first
+            loaded = load_model(model, dtype=job.dtype, device=device)
+        settings = Settings(max_new_tokens=tokens, method=job.method, absorb="all",
+                            layers=job.layers)
+        prompt = build_prompt(loaded.tokenizer, "", PAPER_PROMPTS[job.prompt])
+        steps = list(iter_token_patches(loaded, prompt, settings, should_stop))
+        if len(steps) < tokens:
+            raise KeyboardInterrupt  # stopped: keep what is saved, redo this run next time
+        record = run_record(loaded.describe(), prompt, settings, steps,
+                            {"model": model, "dtype": job.dtype, "context": "",
+                             "query": PAPER_PROMPTS[job.prompt], "prompt_index": job.prompt + 1})
+        plans = plan(loaded, settings)
+        record["controllability"] = {"plan": [p.to_dict() for p in plans],
+                                     "outcome": {str(k): v for k, v in
+                                                 outcome(steps, plans).items()}}
+        record["max_abs_scale_patch"] = max_scale_patch(record)
+        write_json(path, record)
+        records[job.name] = record
+        p = record["summary"]["patched"]
+        say(f"[{i + 1}/{len(jobs)}] {job.name}: match {p['matches']}/{tokens}, "
+            f"max L-inf {p['max_linf']:.3g}")
+    return records
+
+
+def max_scale_patch(record: dict[str, Any]) -> float | None:
+    """The largest |dm| of any scale patch in the run (None when no scale was patched)."""
+    best = None
+    for s in record["steps"]:
+        for params in s.get("patch_norms", {}).values():
+            for name, norms in params.items():
+                if "linf" in norms and "norm" in name:
+                    best = max(best or 0.0, float(norms["linf"]))
+    return best
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else math.nan
+
+
+def summary(records: dict[str, dict[str, Any]], dtypes: Sequence[str], prompts: int
+            ) -> list[dict[str, Any]]:
+    """Figure 4's numbers: per dtype and method, pooled over the prompts."""
+    rows = []
+    for d in dtypes:
+        for m in METHODS:
+            runs = [records[f"{d}-{m}-p{p + 1}"] for p in range(prompts)
+                    if f"{d}-{m}-p{p + 1}" in records]
+            if not runs:
+                continue
+            steps = [s for r in runs for s in r["steps"]]
+            tvd = [float(s["tvd"]) for s in steps]
+            linf = [float(s["linf"]) for s in steps]
+            scale = [r.get("max_abs_scale_patch") for r in runs]
+            rows.append({
+                "dtype": d, "method": m, "prompts": len(runs), "tokens": len(steps),
+                "match_rate": sum(bool(s["match"]) for s in steps) / len(steps),
+                "per_prompt_matches": [r["summary"]["patched"]["matches"] for r in runs],
+                "median_tvd": _median(tvd), "mean_tvd": statistics.fmean(tvd),
+                "max_tvd": max(tvd), "max_linf": max(linf),
+                "control_match_rate": sum(bool(s["control"]["match"]) for s in steps) / len(steps),
+                "max_abs_scale_patch": max((x for x in scale if x is not None), default=None),
+                "seconds": sum(float(r["summary"]["seconds"]["total"]) for r in runs),
+            })
+    return rows
+
+
+def sweep_rows(records: dict[str, dict[str, Any]], sweep: Sequence[int]) -> list[dict[str, Any]]:
+    rows = []
+    for s in sweep:
+        r = records.get(f"sweep-s{s}")
+        if r is None:
+            continue
+        p = r["summary"]["patched"]
+        rows.append({"start_layer": s, "matches": p["matches"], "tokens": r["summary"]["tokens"],
+                     "max_linf": p["max_linf"], "median_tvd": p["median_tvd"],
+                     "max_abs_scale_patch": r.get("max_abs_scale_patch")})
+    return rows
+
+
+def default_sweep(num_layers: int) -> list[int]:
+    if num_layers < 1:
+        raise UserError("the model has no layers to sweep")
+    picks = {0, num_layers // 4, num_layers // 2, (3 * num_layers) // 4, num_layers - 1}
+    return sorted(picks)
