@@ -81,6 +81,7 @@ def run_app(args: argparse.Namespace) -> int:
     window.show()
     logging.getLogger("ctxpatch").info("window shown %.2f s after start", time.perf_counter() - t0)
     if not screenshot:
+        window.offer_autosave()
         return int(app.exec())
     return _screenshot(app, window, screenshot)
 

@@ -40,6 +40,7 @@ class RunStarted:
     control: str  # the output control in use
     model: dict[str, Any]
     plan: tuple[Any, ...] = ()  # core.controllability.LayerPlan per patched layer
+    record: dict[str, Any] | None = None  # set when the run was reopened from its record
 
 
 def load_job(spec: str, dtype: str, device: str) -> Job:

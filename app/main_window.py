@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
     QLabel,
     QMainWindow,
     QProgressBar,
+    QPushButton,
     QSplitter,
     QTabWidget,
     QToolButton,
@@ -29,6 +30,7 @@ from PySide6.QtWidgets import (
 from app.jobs import ModelReady, RunStarted, load_job, run_job
 from app.panels.control_panel import QtControlPanel
 from app.panels.generation_panel import QtGenerationPanel
+from app.panels.history_panel import QtHistoryPanel
 from app.panels.input_panel import QtInputPanel
 from app.panels.model_panel import QtModelPanel
 from app.panels.patch_panel import QtPatchPanel
@@ -41,13 +43,18 @@ SETTINGS_VERSION = 1
 
 
 class _ErrorBanner(QWidget):
-    """One clear line about what went wrong; the window keeps working."""
+    """One clear line about what went wrong (or an offer, with its button); the window keeps
+    working."""
 
-    def __init__(self) -> None:
+    def __init__(self, action: str = "", colour: str = "#c62828") -> None:
         super().__init__()
         self.label = QLabel()
         self.label.setWordWrap(True)
         self.label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.button = QPushButton(action)
+        self.button.setVisible(bool(action))
+        self._callback: Any = None
+        self.button.clicked.connect(lambda: self._callback and self._callback())
         close = QToolButton()
         close.setText("✕")
         close.setToolTip("Dismiss")
@@ -55,14 +62,19 @@ class _ErrorBanner(QWidget):
         layout = QHBoxLayout(self)
         layout.setContentsMargins(8, 4, 4, 4)
         layout.addWidget(self.label, 1)
+        layout.addWidget(self.button)
         layout.addWidget(close)
-        self.setStyleSheet("background-color:#c62828; color:white; border-radius:3px;")
+        self.setStyleSheet(f"background-color:{colour}; color:white; border-radius:3px;")
         self.setAutoFillBackground(True)
         self.hide()
 
     def show_message(self, message: str) -> None:
         self.label.setText(message)
         self.show()
+
+    def offer(self, message: str, callback: Any) -> None:
+        self._callback = callback
+        self.show_message(message)
 
 
 class MainWindow(QMainWindow):
@@ -92,6 +104,10 @@ class MainWindow(QMainWindow):
         self.patches = QtPatchPanel(self.state)
         self.controls = QtControlPanel(self.state)
         self.banner = _ErrorBanner()
+        self.notice = _ErrorBanner(action="Restore", colour="#1565c0")
+        self.history_panel = QtHistoryPanel()
+        self.history: list[dict[str, Any]] = []  # finished runs' records, oldest first
+        self.history_index: int | None = None
         self._build_layout()
         self._build_status_bar()
         self._build_actions()
@@ -100,6 +116,7 @@ class MainWindow(QMainWindow):
         self.input_panel.run_requested.connect(self.start_run)
         self.input_panel.cancel_requested.connect(self.cancel)
         self.input_panel.preset_chosen.connect(self._on_preset)
+        self.history_panel.chosen.connect(self.show_run)
         self.state.subscribe(self._on_state)
 
         self._restore()
@@ -125,7 +142,12 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.patches, "Patch explorer")
         self.tabs.addTab(self.controls, "Controllability")
         right = QSplitter(Qt.Orientation.Vertical)
-        right.addWidget(self.generation)
+        top = QWidget()
+        tv = QVBoxLayout(top)
+        tv.setContentsMargins(0, 0, 0, 0)
+        tv.addWidget(self.history_panel)
+        tv.addWidget(self.generation, 1)
+        right.addWidget(top)
         right.addWidget(self.tabs)
         right.setStretchFactor(0, 1)
         right.setStretchFactor(1, 1)
@@ -138,6 +160,7 @@ class MainWindow(QMainWindow):
         central = QWidget()
         cv = QVBoxLayout(central)
         cv.addWidget(self.banner)
+        cv.addWidget(self.notice)
         cv.addWidget(self.main_splitter, 1)
         self.setCentralWidget(central)
         self.resize(1400, 900)
@@ -165,8 +188,10 @@ class MainWindow(QMainWindow):
         file = bar.addMenu("&File")
         self._action(file, "&Open model folder…", QKeySequence.StandardKey.Open,
                      self._on_open_folder)
-        self.save_action = self._action(file, "&Save run as JSON…", QKeySequence.StandardKey.Save,
-                                        lambda: self.export("json"))
+        self._action(file, "Open &session…", "Ctrl+Shift+O", lambda: self.open_session())
+        self.save_action = self._action(file, "&Save session…", QKeySequence.StandardKey.Save,
+                                        lambda: self.save_session())
+        self._action(file, "Save run as &JSON…", "Ctrl+Shift+S", lambda: self.export("json"))
         self.export_action = self._action(file, "&Export report (HTML or PDF)…", "Ctrl+E",
                                           lambda: self.export("report"))
         self._action(file, "Export per-token &CSV…", "Ctrl+Shift+E", lambda: self.export("csv"))
@@ -289,6 +314,8 @@ class MainWindow(QMainWindow):
             return
         if self.state.running:
             self.state.finish()
+        if outcome in ("completed", "cancelled") and self.state.steps:
+            self._remember_run()
         self._report_run(outcome)
         self.run_finished.emit(outcome)
 
@@ -431,8 +458,125 @@ class MainWindow(QMainWindow):
             if isinstance(data, dict):
                 panel.restore(data)
 
+    # -- history and sessions -------------------------------------------------------------------
+    def _remember_run(self) -> None:
+        record = self.current_record()
+        if record is None:
+            return
+        from app.session import MAX_RUNS
+
+        self.history = (self.history + [record])[-MAX_RUNS:]
+        self.history_index = len(self.history) - 1
+        self.history_panel.set_runs(self.history, self.history_index)
+        self._autosave_session()
+
+    def show_run(self, index: int) -> None:
+        """Reopen a run of the history (no recomputation)."""
+        if self.busy or not 0 <= index < len(self.history):
+            return
+        from app.report import fill_state
+        from core.records import run_from_record
+
+        fill_state(self.state, run_from_record(self.history[index]))
+        self.history_index = index
+        self.history_panel.set_runs(self.history, index)
+        self.status_label.setText(f"Showing run #{index + 1} (saved; not recomputed)")
+
+    def _session(self) -> dict[str, Any]:
+        from app.session import session_dict
+
+        return session_dict(self.input_panel.save(), self.model_panel.save(), self.history,
+                            self.history_index)
+
+    def _autosave_session(self) -> None:
+        from app.session import autosave_path, save_session
+        from core.errors import UserError
+
+        try:
+            save_session(autosave_path(), self._session())
+        except (UserError, OSError) as exc:
+            log.warning("autosave failed: %s", exc)
+
+    def save_session(self, path: str | None = None) -> bool:
+        if path is None:
+            path, _ = QFileDialog.getSaveFileName(self, "Save session", "ctxpatch-session.json",
+                                                  "ctxpatch session (*.json)")
+            if not path:
+                return False
+        from app.session import save_session
+        from core.errors import UserError
+
+        try:
+            save_session(path, self._session())
+        except (UserError, OSError) as exc:
+            self.show_error(f"cannot save the session {path}: {exc}")
+            return False
+        self.status_label.setText(f"Saved the session {path}")
+        return True
+
+    def open_session(self, path: str | None = None) -> bool:
+        if self.busy:
+            self.show_error("a job is running: cancel it (Esc) before opening a session")
+            return False
+        if path is None:
+            path, _ = QFileDialog.getOpenFileName(self, "Open session", "",
+                                                  "ctxpatch session (*.json)")
+            if not path:
+                return False
+        from app.session import load_session
+        from core.errors import UserError
+
+        try:
+            data = load_session(path)
+        except UserError as exc:
+            self.show_error(str(exc))
+            return False
+        self.apply_session(data)
+        self.status_label.setText(f"Opened the session {path}")
+        return True
+
+    def apply_session(self, data: dict[str, Any]) -> None:
+        if data.get("options"):
+            self.model_panel.restore(data["options"])
+        if data.get("inputs"):
+            self.input_panel.restore(data["inputs"])
+        self.history = list(data.get("runs", []))
+        current = data.get("current")
+        index = current if isinstance(current, int) and 0 <= current < len(self.history) else (
+            len(self.history) - 1)
+        self.history_panel.set_runs(self.history, index if self.history else None)
+        if self.history:
+            self.show_run(index)
+
+    def offer_autosave(self) -> None:
+        """After a crash, the autosaved session is offered back (deleted on a clean exit)."""
+        from app.session import autosave_path, load_session
+        from core.errors import UserError
+
+        path = autosave_path()
+        if not path.is_file():
+            return
+        try:
+            data = load_session(path)
+        except UserError as exc:
+            log.warning("unreadable autosave: %s", exc)
+            return
+        if not data.get("runs"):
+            return
+
+        def restore() -> None:
+            self.apply_session(data)
+            self.notice.hide()
+
+        self.notice.offer(f"ctxpatch did not close cleanly last time: restore its "
+                          f"{len(data['runs'])} run(s) and inputs (saved {data.get('saved')})?",
+                          restore)
+
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt override
         self.save_settings()
+        from app.session import autosave_path
+
+        autosave_path().unlink(missing_ok=True)  # a clean exit: nothing to offer back
         if self.worker is not None:
             # a thread destroyed while running takes the process down: let it finish its layer
             self.status_label.setText("Stopping the background job…")

@@ -51,10 +51,16 @@ def fill_state(state: RunState, run: Run) -> RunState:
     """Replay a finished run into a `RunState` (its views update as in a live run)."""
     layers = sorted({layer for s in run.steps for layer in s.patch_norms}) or sorted(
         {layer for s in run.steps for layer in s.layer_info})
+    from core.controllability import LayerPlan
+
+    plans = run.record.get("controllability", {}).get("plan", [])
+    plan = tuple(LayerPlan(**{k: tuple(v) if isinstance(v, list) else v for k, v in p.items()})
+                 for p in plans)
     state.reset(RunStarted(settings=run.settings, prompt=run.prompt, layers=tuple(layers),
                            num_layers=int(run.model.get("num_layers", len(layers))),
-                           control=str(run.settings.get("output_control") or "default"),
-                           model=run.model))
+                           control=str(plan[0].control if plan else
+                                       run.settings.get("output_control") or "default"),
+                           model=run.model, plan=plan, record=run.record))
     for s in run.steps:
         state.add_step(s)
     state.finish()
