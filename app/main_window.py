@@ -117,6 +117,7 @@ class MainWindow(QMainWindow):
         self.input_panel.cancel_requested.connect(self.cancel)
         self.input_panel.preset_chosen.connect(self._on_preset)
         self.history_panel.chosen.connect(self.show_run)
+        self.plots.overlay.toggled.connect(lambda _: self._update_overlays())
         self.state.subscribe(self._on_state)
 
         self._restore()
@@ -468,7 +469,25 @@ class MainWindow(QMainWindow):
         self.history = (self.history + [record])[-MAX_RUNS:]
         self.history_index = len(self.history) - 1
         self.history_panel.set_runs(self.history, self.history_index)
+        self._update_overlays()
         self._autosave_session()
+
+    def _update_overlays(self) -> None:
+        import numpy as np
+
+        from app.panels.history_panel import run_label
+
+        runs = []
+        if self.plots.overlay.isChecked():
+            for i, record in enumerate(self.history):
+                if i == self.history_index:
+                    continue
+                steps = record.get("steps", [])
+                series = {"linf": np.array([float(s["linf"] or 0.0) for s in steps]),
+                          "tvd": np.array([float(s["tvd"] or 0.0) for s in steps]),
+                          "match": np.array([float(bool(s["match"])) for s in steps])}
+                runs.append((f"#{i + 1} {run_label(record).rsplit(' · ', 1)[0]}", series))
+        self.plots.set_overlays(runs)
 
     def show_run(self, index: int) -> None:
         """Reopen a run of the history (no recomputation)."""
@@ -480,6 +499,7 @@ class MainWindow(QMainWindow):
         fill_state(self.state, run_from_record(self.history[index]))
         self.history_index = index
         self.history_panel.set_runs(self.history, index)
+        self._update_overlays()
         self.status_label.setText(f"Showing run #{index + 1} (saved; not recomputed)")
 
     def _session(self) -> dict[str, Any]:

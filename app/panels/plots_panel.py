@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QEvent, Qt
-from PySide6.QtWidgets import QVBoxLayout, QWidget
+from PySide6.QtWidgets import QCheckBox, QVBoxLayout, QWidget
 
 from app.state import RunState
 from app.theme import style_graphics
@@ -28,9 +28,14 @@ class QtPlotsPanel(QWidget):
         super().__init__(parent)
         self.state = state
         self.graphics = pg.GraphicsLayoutWidget()
+        self.overlay = QCheckBox("Overlay the other runs of the history")
+        self.overlay.setToolTip("Compare runs: every other run's patched curves on the same axes "
+                                "(for example float32 direct, bfloat16 direct, bfloat16 stable)")
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self.overlay)
         layout.addWidget(self.graphics)
+        self._overlay_items: list[tuple[pg.PlotItem, pg.PlotDataItem]] = []
         self.plots: dict[str, pg.PlotItem] = {}
         self.curves: dict[tuple[str, str], pg.PlotDataItem] = {}
         self.marks: dict[str, pg.PlotDataItem] = {}
@@ -117,7 +122,34 @@ class QtPlotsPanel(QWidget):
             if i is not None:
                 cursor.setValue(i + 1)
 
+    def set_overlays(self, runs: list[tuple[str, dict[str, np.ndarray]]]) -> None:
+        """Draw other runs' patched curves: (label, {"linf"|"tvd"|"match": per-step values})."""
+        for plot, item in self._overlay_items:
+            plot.removeItem(item)
+            if plot.legend is not None:
+                plot.legend.removeItem(item)
+        if self.plots["tvd"].legend is not None and not runs:
+            self.plots["tvd"].legend.clear()
+        self._overlay_items = []
+        tvd = self.plots["tvd"]
+        if runs and tvd.legend is None:  # the overlays are named in the TVD plot's own legend
+            tvd.addLegend(offset=(-10, 5))
+        for k, (label, series) in enumerate(runs):
+            colour = pg.intColor(k, hues=max(len(runs), 3), values=1, maxValue=200)
+            for metric, values in series.items():
+                y = np.maximum(values, FLOOR) if metric != "match" else values
+                item = pg.PlotDataItem(np.arange(1, len(values) + 1, dtype=float), y,
+                                       pen=pg.mkPen(colour, width=1.5,
+                                                    style=Qt.PenStyle.DotLine))
+                self.plots[metric].addItem(item)
+                if metric == "tvd":
+                    tvd.legend.addItem(item, label)
+                self._overlay_items.append((self.plots[metric], item))
+
     def point_counts(self) -> dict[str, int]:
         """How many points each curve holds (for tests)."""
         return {f"{m}/{s}": len(c.getData()[0] if c.getData()[0] is not None else [])
                 for (m, s), c in self.curves.items()}
+
+    def overlay_count(self) -> int:
+        return len(self._overlay_items)

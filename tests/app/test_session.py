@@ -57,6 +57,8 @@ def test_save_reopen_and_reexport_without_recomputing(qtbot: Any, fresh: Any, ti
     assert a["steps"] == b["steps"] and a["summary"] == b["summary"] and a["prompt"] == b["prompt"]
     again.history_panel.chosen.emit(0)  # the first run, from the history
     assert len(again.state.steps) == 3 and again.controls.rows()
+    again.plots.overlay.setChecked(True)  # compare runs: the other run's curves, 3 metrics
+    assert again.plots.overlay_count() == 3
 
 
 def test_an_old_schema_session_opens(fresh: Any) -> None:
