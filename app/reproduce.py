@@ -32,7 +32,7 @@ def _figure4(rows: list[dict[str, Any]], records: dict[str, Any], prompts: int) 
     ensure_app()
     graphics = pg.GraphicsLayoutWidget()
     graphics.setBackground("w")
-    labels = [(i, f"{r['dtype']}\n{r['method']}") for i, r in enumerate(rows)]
+    labels = [(i, f"{r['dtype']} {r['method']}") for i, r in enumerate(rows)]
     tvd_plot = graphics.addPlot(row=0, col=0, title="TVD per token (log scale)")
     tvd_plot.setLogMode(y=True)
     rng = np.random.default_rng(0)
@@ -52,7 +52,18 @@ def _figure4(rows: list[dict[str, Any]], records: dict[str, Any], prompts: int) 
     for plot in (tvd_plot, match_plot):
         plot.getAxis("bottom").setTicks([labels])
         plot.showGrid(y=True, alpha=0.25)
+    _black(graphics, (tvd_plot, match_plot))
     return graphics
+
+
+def _black(graphics: Any, plots: Any) -> None:
+    """Print colours: black axes and titles on white, whatever the screen's palette."""
+    for plot in plots:
+        for name in ("left", "bottom"):
+            plot.getAxis(name).setPen("k")
+            plot.getAxis(name).setTextPen("k")
+        plot.titleLabel.setAttr("color", "k")
+        plot.setTitle(plot.titleLabel.text)
 
 
 def _sweep_figure(rows: list[dict[str, Any]]) -> Any:
@@ -78,6 +89,7 @@ def _sweep_figure(rows: list[dict[str, Any]]) -> Any:
     for plot in (match, norm):
         plot.setLabel("bottom", "first patched layer s (layers s..L-1)")
         plot.showGrid(x=True, y=True, alpha=0.25)
+    _black(graphics, (match, norm))
     return graphics
 
 

@@ -65,6 +65,9 @@ def run_grid(model: str, out: Path, jobs: Sequence[Job], tokens: int, device: st
     from core.loading import load_model
     from core.prompt import build_prompt
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one progress line per run instead
     runs_dir = out / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     records: dict[str, dict[str, Any]] = {}
