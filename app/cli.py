@@ -110,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="max logit L-inf difference relative to the logit scale "
                              "(default: 1e-3 float64, 1e-2 float32, token match only in 16-bit)")
     verify.add_argument("--json", metavar="FILE", help="the per-step checks as JSON")
+    bench = sub.add_parser(
+        "bench", help="time and memory of a comparison next to plain generation (ratios)",
+        description="Alternates plain greedy generate and the comparison K times after a "
+                    "warm-up; peak memory of each in its own child process. The last line of "
+                    "stdout is a JSON object with time_ratio and memory_ratio.")
+    _compare_options(bench)
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--no-memory", action="store_true", help="skip the memory children")
     repro = sub.add_parser(
         "reproduce", help="the paper's experiments: 5 prompts x {direct, stable} x "
                           "{float32, bfloat16}, absorb all, plus a start-layer sweep; one report",
@@ -244,6 +252,52 @@ def run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from core.bench import machine, measure_memory, measure_time
+    from core.compare import Settings
+    from core.prompt import build_prompt
+
+    say = _Progress(args.quiet)
+    if args.repeats < 1:
+        raise UserError("--repeats must be at least 1")
+    settings = Settings(max_new_tokens=args.max_new_tokens, method=args.method, absorb=args.absorb,
+                        scope=args.scope, layers=args.layers, keep_bos=args.keep_bos,
+                        output_control=args.output_control, top_k=args.top_k)
+    settings.validate()
+    check_outputs(args.json)
+    loaded = _load(args, args.dtype, say)
+    prompt = build_prompt(loaded.tokenizer, args.context, args.query, args.chat_template)
+    from core.prompt import check_prompt
+
+    check_prompt(prompt, settings.absorb)
+    result: dict[str, Any] = {"machine": machine(), "model": args.model, "dtype": args.dtype,
+                              "device": str(loaded.device), "settings": settings.to_dict(),
+                              "prompt_tokens": len(prompt.full_ids)}
+    result.update(measure_time(loaded, prompt, settings, args.repeats, say))
+    print(f"generate {result['generate_s']:.2f} s, compare {result['compare_s']:.2f} s "
+          f"(medians of {args.repeats}): time ratio {result['time_ratio']:.2f}")
+    if not args.no_memory:
+        say("measuring peak memory in child processes")
+        spec = {"model": args.model, "dtype": args.dtype, "device": args.device,
+                "context": args.context, "query": args.query, "chat_template": args.chat_template,
+                "settings": settings.to_dict()}
+        del loaded
+        result["memory"] = measure_memory(spec)
+        result["memory_ratio"] = result["memory"]["memory_ratio"]
+        m = result["memory"]
+        print(f"peak memory ({m['generate']['kind']}): generate "
+              f"{m['generate']['peak_bytes'] / 1e9:.2f} GB, compare "
+              f"{m['compare']['peak_bytes'] / 1e9:.2f} GB: memory ratio {m['memory_ratio']:.2f}")
+    if args.json:
+        from core.export import write_json
+
+        write_json(args.json, result)
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, default=str))
+    return 0
+
+
 def _tolerance(dtype: str, given: float | None = None) -> float:
     if given is not None:
         return given
@@ -311,6 +365,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_compare(args)
         if args.command == "verify":
             return run_verify(args)
+        if args.command == "bench":
+            return run_bench(args)
         if args.command == "reproduce":
             from app.reproduce import run as run_reproduce
 

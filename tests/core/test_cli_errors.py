@@ -149,3 +149,16 @@ def test_compare_reports_controllability_and_a_frozen_output(capsys: pytest.Capt
     assert plans[0]["frozen_bound"] > 0
     assert set(record["controllability"]["outcome"]) == {str(p["layer"]) for p in plans}
     assert record["settings"]["disabled"] == ["output"]
+
+
+def test_bench_prints_ratios_last(capsys: pytest.CaptureFixture[str], tiny_folder: Path) -> None:
+    """The bench's figures (not timed assertions): the last stdout line is JSON with both ratios."""
+    code = main(["bench", "--model", str(tiny_folder), "--context", "The fox.", "--query", "Hi",
+                 "--max-new-tokens", "3", "--repeats", "1", "--quiet"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code == 0
+    result = json.loads(out[-1])
+    assert result["time_ratio"] > 0 and result["memory_ratio"] > 0
+    assert result["generate_s"] > 0 and result["memory"]["compare"]["peak_bytes"] > 0
+    assert main(["bench", "--model", str(tiny_folder), "--query", "q", "--absorb", "all",
+                 "--repeats", "0"]) == 2

@@ -1,0 +1,124 @@
+"""``ctxpatch bench``: a comparison timed side by side with plain generation (issue: speed and
+memory near the limit). Prints figures and ratios; asserts nothing.
+
+Time: in one process, after a warm-up of each, K alternations of plain greedy ``generate`` (full
+context, KV cache, the same number of new tokens, model, dtype and device) and the comparison;
+medians and their ratio. Memory: each side once in its own child process (peak resident memory
+on CPU, peak allocated CUDA memory on a GPU), so neither inherits the other's peak.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def _generate(loaded: Any, ids: list[int], tokens: int) -> None:
+    import torch
+
+    with torch.inference_mode():
+        loaded.model.generate(torch.tensor([ids], device=loaded.device), max_new_tokens=tokens,
+                              min_new_tokens=tokens, do_sample=False)
+
+
+def _compare(loaded: Any, prompt: Any, settings: Any) -> None:
+    from core.compare import iter_token_patches
+
+    for _ in iter_token_patches(loaded, prompt, settings):
+        pass
+
+
+def _sync(loaded: Any) -> None:
+    import torch
+
+    if loaded.device.type == "cuda":
+        torch.cuda.synchronize(loaded.device)
+
+
+def measure_time(loaded: Any, prompt: Any, settings: Any, repeats: int,
+                 say: Callable[[str], None]) -> dict[str, Any]:
+    ids = list(prompt.full_ids)
+    runs: dict[str, list[float]] = {"generate": [], "compare": []}
+    jobs = {"generate": lambda: _generate(loaded, ids, settings.max_new_tokens),
+            "compare": lambda: _compare(loaded, prompt, settings)}
+    for name, job in jobs.items():  # warm-up
+        job()
+    for k in range(repeats):
+        for name, job in jobs.items():
+            _sync(loaded)
+            t = time.perf_counter()
+            job()
+            _sync(loaded)
+            runs[name].append(time.perf_counter() - t)
+        say(f"repeat {k + 1}/{repeats}: generate {runs['generate'][-1]:.2f} s, "
+            f"compare {runs['compare'][-1]:.2f} s")
+    g, c = statistics.median(runs["generate"]), statistics.median(runs["compare"])
+    return {"generate_s": g, "compare_s": c, "time_ratio": c / g,
+            "per_token_generate_s": g / settings.max_new_tokens,
+            "per_token_compare_s": c / settings.max_new_tokens, "runs": runs}
+
+
+CHILD = """
+import json, sys
+from core.bench import child_main
+print(json.dumps(child_main(json.loads(sys.argv[1]))))
+"""
+
+
+def child_main(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run one side once and report its peak memory (in a fresh process)."""
+    import resource
+
+    import torch
+
+    from core.compare import Settings
+    from core.loading import load_model
+    from core.prompt import build_prompt
+
+    loaded = load_model(spec["model"], dtype=spec["dtype"], device=spec["device"])
+    prompt = build_prompt(loaded.tokenizer, spec["context"], spec["query"], spec["chat_template"])
+    settings = Settings.from_dict(spec["settings"])
+    cuda = loaded.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(loaded.device)
+    before = torch.cuda.max_memory_allocated(loaded.device) if cuda else 0
+    if spec["side"] == "generate":
+        _generate(loaded, list(prompt.full_ids), settings.max_new_tokens)
+    else:
+        _compare(loaded, prompt, settings)
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(loaded.device)
+        return {"peak_bytes": peak, "kind": "CUDA peak allocated", "model_bytes": before}
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"peak_bytes": peak_kb * 1024, "kind": "peak resident memory"}
+
+
+def measure_memory(spec: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for side in ("generate", "compare"):
+        proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps({**spec, "side": side})],
+                              capture_output=True, text=True, env=os.environ.copy())
+        if proc.returncode != 0:
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"the {side} memory child failed: {tail}")
+        out[side] = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["memory_ratio"] = out["compare"]["peak_bytes"] / out["generate"]["peak_bytes"]
+    return out
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    info = {"platform": platform.platform(), "processor": platform.processor() or
+            platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
