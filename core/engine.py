@@ -417,25 +417,16 @@ class _LayerPatcher:
             gate_up = module.gate_up_proj[e].detach().to(self.dtype)  # (2f, d)
             y, y_target = gate_up @ z, gate_up @ self.t.z if self.t.z is not None else None
             if use_input and y_target is not None:
-                r_in = rank1_input_patch(y_target, y, z)
-                if r_in is None:
-                    self.result.zero_z = True
-                else:
-                    r_in = self._rank1(r_in)
-                    self.result.patches[f"{self._name(module, 'gate_up_proj')}[{e}]"] = r_in
-                    pairs.append((module.gate_up_proj[e], torch.outer(r_in.u, r_in.a)))
+                r_in = self._expert_patch(module, "gate_up_proj", e, pairs,
+                                          rank1_input_patch(y_target, y, z), "zero_z")
+                if r_in is not None:
                     y = y + r_in.u * (r_in.a @ z)
             # mirrors the experts' forward: gate, up = (W x).chunk(2); h = act(gate) * up
             gate, up = y.chunk(2, dim=-1)
             h = module.act_fn(gate) * up
             if dv is not None:
-                r_out = matrix_output_patch(dv, h)
-                if r_out is None:
-                    self.result.zero_h = True
-                else:
-                    r_out = self._rank1(r_out)
-                    self.result.patches[f"{self._name(module, 'down_proj')}[{e}]"] = r_out
-                    pairs.append((module.down_proj[e], torch.outer(r_out.u, r_out.a)))
+                self._expert_patch(module, "down_proj", e, pairs, matrix_output_patch(dv, h),
+                                   "zero_h")
         if not pairs:
             return None
         rows = slice(-1, None) if self.spec.last_only else slice(None)
@@ -450,6 +441,18 @@ class _LayerPatcher:
             out[-1:] = patched
             return _replace_output(output, out)
         return _replace_output(output, patched)
+
+    def _expert_patch(self, module: nn.Module, param: str, e: int,
+                      pairs: list[tuple[Tensor, Tensor]], r: Rank1 | None, zero_flag: str
+                      ) -> Rank1 | None:
+        """Keep expert ``e``'s rank-1 patch of ``param`` (or note the failed condition)."""
+        if r is None:
+            setattr(self.result, zero_flag, True)
+            return None
+        r = self._rank1(r)
+        self.result.patches[f"{self._name(module, param)}[{e}]"] = r
+        pairs.append((getattr(module, param)[e], torch.outer(r.u, r.a)))
+        return r
 
     def _scale(self) -> Tensor:
         norm = self.s.out_norm

@@ -17,24 +17,13 @@ from __future__ import annotations
 from torch import nn
 
 from core.adapters.base import Adapter, LayerSites
+from core.adapters.parallel import dense_sites
 
 
 def _sites(layer: nn.Module) -> LayerSites:
     config = layer.config
     parallel = bool(config.parallel_attn or config.new_decoder_architecture)
-    mlp = layer.mlp
-    if parallel:
-        attention = layer.self_attention
-        v_sources: tuple[tuple[nn.Module, str], ...] = ((layer, "input"), (attention, "output"))
-    else:
-        v_sources = ((layer.post_attention_layernorm, "input"),)
-    return LayerSites(
-        layer=layer,
-        v_sources=v_sources,
-        inputs=(("fc_in", mlp.dense_h_to_4h),),
-        out_matrix=mlp.dense_4h_to_h,
-        parallel=parallel,
-    )
+    return dense_sites(layer, layer.self_attention, parallel)
 
 
 ADAPTER = Adapter(

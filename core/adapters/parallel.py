@@ -33,20 +33,24 @@ def _gptj(layer: nn.Module) -> LayerSites:
     )
 
 
-def _neox(layer: nn.Module) -> LayerSites:
-    mlp = layer.mlp
-    parallel = bool(layer.use_parallel_residual)
+def dense_sites(layer: nn.Module, attention: nn.Module, parallel: bool) -> LayerSites:
+    """GPT-NeoX and Falcon: ``mlp.dense_h_to_4h`` / ``mlp.dense_4h_to_h``, in a parallel block
+    (``v = x + attn``) or a sequential one (``v`` before ``post_attention_layernorm``)."""
     v_sources: tuple[tuple[nn.Module, str], ...] = (
-        ((layer, "input"), (layer.attention, "output")) if parallel
+        ((layer, "input"), (attention, "output")) if parallel
         else ((layer.post_attention_layernorm, "input"),)
     )
     return LayerSites(
         layer=layer,
         v_sources=v_sources,
-        inputs=(("fc_in", mlp.dense_h_to_4h),),
-        out_matrix=mlp.dense_4h_to_h,
+        inputs=(("fc_in", layer.mlp.dense_h_to_4h),),
+        out_matrix=layer.mlp.dense_4h_to_h,
         parallel=parallel,
     )
+
+
+def _neox(layer: nn.Module) -> LayerSites:
+    return dense_sites(layer, layer.attention, bool(layer.use_parallel_residual))
 
 
 def _cohere(layer: nn.Module) -> LayerSites:
