@@ -34,7 +34,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad option as one line and exit status 2."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"ctxpatch: error: {message} (see ctxpatch {self.prog.split()[-1]} --help)\n")
+        self.exit(2, f"ctxpatch: error: {message} (see {self.prog} --help)\n")
 
 
 def _model_options(p: argparse.ArgumentParser, dtype_default: str | None = "float32") -> None:
