@@ -8,10 +8,12 @@ Items are created once and updated with ``setData`` (STYLE.md 21).
 
 from __future__ import annotations
 
+import html
+
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QEvent, Qt
-from PySide6.QtWidgets import QCheckBox, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QCheckBox, QLabel, QVBoxLayout, QWidget
 
 from app.state import RunState
 from app.theme import style_graphics
@@ -33,7 +35,11 @@ class QtPlotsPanel(QWidget):
                                 "(for example float32 direct, bfloat16 direct, bfloat16 stable)")
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
+        self.comparison = QLabel()  # Figure 4 in numbers, for the overlaid runs
+        self.comparison.setTextFormat(Qt.TextFormat.RichText)
+        self.comparison.hide()
         layout.addWidget(self.overlay)
+        layout.addWidget(self.comparison)
         layout.addWidget(self.graphics)
         self._overlay_items: list[tuple[pg.PlotItem, pg.PlotDataItem]] = []
         self.plots: dict[str, pg.PlotItem] = {}
@@ -123,7 +129,9 @@ class QtPlotsPanel(QWidget):
                 cursor.setValue(i + 1)
 
     def set_overlays(self, runs: list[tuple[str, dict[str, np.ndarray]]]) -> None:
-        """Draw other runs' patched curves: (label, {"linf"|"tvd"|"match": per-step values})."""
+        """Draw other runs' patched curves: (label, {"linf"|"tvd"|"match": per-step values}),
+        and a Figure-4-style line per run: token match, median and max TVD, max logit L∞."""
+        self._set_comparison(runs)
         for plot, item in self._overlay_items:
             plot.removeItem(item)
             if plot.legend is not None:
@@ -145,6 +153,24 @@ class QtPlotsPanel(QWidget):
                 if metric == "tvd":
                     tvd.legend.addItem(item, label)
                 self._overlay_items.append((self.plots[metric], item))
+
+    def _set_comparison(self, runs: list[tuple[str, dict[str, np.ndarray]]]) -> None:
+        if not runs or not self.state.steps:
+            self.comparison.hide()
+            return
+        shown = ("this run", {m: self.state.series("patched", m) for m in ("linf", "tvd", "match")})
+        rows = []
+        for label, series in [shown, *runs]:
+            n = len(series["match"])
+            rows.append(
+                f"<tr><td>{html.escape(label)}</td><td>{int(series['match'].sum())}/{n}</td>"
+                f"<td>{np.median(series['tvd']):.3g}</td><td>{series['tvd'].max():.3g}</td>"
+                f"<td>{series['linf'].max():.3g}</td></tr>")
+        self.comparison.setText(
+            "<table cellspacing=0 cellpadding=2><tr><th align=left>run</th><th>match</th>"
+            "<th>median TVD</th><th>max TVD</th><th>max logit L∞</th></tr>"
+            + "".join(rows) + "</table>")
+        self.comparison.show()
 
     def point_counts(self) -> dict[str, int]:
         """How many points each curve holds (for tests)."""

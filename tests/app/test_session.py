@@ -59,6 +59,8 @@ def test_save_reopen_and_reexport_without_recomputing(qtbot: Any, fresh: Any, ti
     assert len(again.state.steps) == 3 and again.controls.rows()
     again.plots.overlay.setChecked(True)  # compare runs: the other run's curves, 3 metrics
     assert again.plots.overlay_count() == 3
+    table = again.plots.comparison.text()  # Figure 4 in numbers: this run and the other one
+    assert again.plots.comparison.isVisible() and table.count("<tr>") == 3 and "4/4" in table
 
 
 def test_an_old_schema_session_opens(fresh: Any) -> None:
