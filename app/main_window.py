@@ -475,7 +475,7 @@ class MainWindow(QMainWindow):
     def _update_overlays(self) -> None:
         import numpy as np
 
-        from app.panels.history_panel import run_label
+        from app.panels.history_panel import short_label
 
         runs = []
         if self.plots.overlay.isChecked():
@@ -486,8 +486,10 @@ class MainWindow(QMainWindow):
                 series = {"linf": np.array([float(s["linf"] or 0.0) for s in steps]),
                           "tvd": np.array([float(s["tvd"] or 0.0) for s in steps]),
                           "match": np.array([float(bool(s["match"])) for s in steps])}
-                runs.append((f"#{i + 1} {run_label(record).rsplit(' · ', 1)[0]}", series))
-        self.plots.set_overlays(runs)
+                runs.append((short_label(record, i), series))
+        shown = (short_label(self.history[self.history_index], self.history_index)
+                 if self.history_index is not None and self.history else "this run")
+        self.plots.set_overlays(runs, shown)
 
     def show_run(self, index: int) -> None:
         """Reopen a run of the history (no recomputation)."""

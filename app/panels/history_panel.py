@@ -18,6 +18,12 @@ def run_label(record: dict[str, Any]) -> str:
             f" · {query!r}")
 
 
+def short_label(record: dict[str, Any], index: int) -> str:
+    s = record.get("settings", {})
+    return (f"#{index + 1} {s.get('dtype', '?')} {s.get('method', '?')}, absorb "
+            f"{s.get('absorb', '?')}, layers {s.get('layers', 'all')}")
+
+
 class QtHistoryPanel(QWidget):
     chosen = Signal(int)
 

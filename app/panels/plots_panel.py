@@ -128,10 +128,11 @@ class QtPlotsPanel(QWidget):
             if i is not None:
                 cursor.setValue(i + 1)
 
-    def set_overlays(self, runs: list[tuple[str, dict[str, np.ndarray]]]) -> None:
+    def set_overlays(self, runs: list[tuple[str, dict[str, np.ndarray]]],
+                     shown_label: str = "this run") -> None:
         """Draw other runs' patched curves: (label, {"linf"|"tvd"|"match": per-step values}),
         and a Figure-4-style line per run: token match, median and max TVD, max logit L∞."""
-        self._set_comparison(runs)
+        self._set_comparison(runs, shown_label)
         for plot, item in self._overlay_items:
             plot.removeItem(item)
             if plot.legend is not None:
@@ -154,11 +155,12 @@ class QtPlotsPanel(QWidget):
                     tvd.legend.addItem(item, label)
                 self._overlay_items.append((self.plots[metric], item))
 
-    def _set_comparison(self, runs: list[tuple[str, dict[str, np.ndarray]]]) -> None:
+    def _set_comparison(self, runs: list[tuple[str, dict[str, np.ndarray]]],
+                        shown_label: str) -> None:
         if not runs or not self.state.steps:
             self.comparison.hide()
             return
-        shown = ("this run", {m: self.state.series("patched", m) for m in ("linf", "tvd", "match")})
+        shown = (shown_label, {m: self.state.series("patched", m) for m in ("linf", "tvd", "match")})
         rows = []
         for label, series in [shown, *runs]:
             n = len(series["match"])
