@@ -9,7 +9,6 @@ a table of every number. Qt is imported only once the runs are done.
 from __future__ import annotations
 
 import html
-import json
 import math
 from pathlib import Path
 from typing import Any

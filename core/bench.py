@@ -48,7 +48,7 @@ def measure_time(loaded: Any, prompt: Any, settings: Any, repeats: int,
     runs: dict[str, list[float]] = {"generate": [], "compare": []}
     jobs = {"generate": lambda: _generate(loaded, ids, settings.max_new_tokens),
             "compare": lambda: _compare(loaded, prompt, settings)}
-    for name, job in jobs.items():  # warm-up
+    for job in jobs.values():  # warm-up
         job()
     for k in range(repeats):
         for name, job in jobs.items():

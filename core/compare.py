@@ -140,7 +140,7 @@ class TopK:
     probs: tuple[float, ...]
 
     def to_list(self) -> list[dict[str, Any]]:
-        return [{"id": i, "text": t, "prob": p} for i, t, p in zip(self.ids, self.texts, self.probs)]
+        return [{"id": i, "text": t, "prob": p} for i, t, p in zip(self.ids, self.texts, self.probs, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -282,7 +282,7 @@ def _rollback(cache: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        for layer, state in zip(cache.layers, saved):
+        for layer, state in zip(cache.layers, saved, strict=True):
             layer.__dict__.clear()
             layer.__dict__.update(state)
 

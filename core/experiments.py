@@ -59,13 +59,13 @@ def run_grid(model: str, out: Path, jobs: Sequence[Job], tokens: int, device: st
              say: Callable[[str], None] = print, should_stop: Callable[[], bool] | None = None,
              ) -> dict[str, dict[str, Any]]:
     """Run (or reuse) every job; returns {job name: record}."""
+    from transformers.utils import logging as hf_logging
+
     from core.compare import Settings, iter_token_patches
     from core.controllability import outcome, plan
     from core.export import run_record, write_json
     from core.loading import load_model
     from core.prompt import build_prompt
-
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one progress line per run instead
     runs_dir = out / "runs"
