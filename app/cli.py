@@ -24,6 +24,15 @@ EXAMPLES_COMPARE = """examples:
   ctxpatch compare --context "Alice lives in Paris." --query "Where does Alice live?" \\
       --method stable --dtype bfloat16 --save-patches p.safetensors
 """
+EXAMPLES_BENCH = """examples:
+  ctxpatch bench --absorb all --query "Write a single-sentence weather forecast for Mars, from \\
+      the perspective of a slightly annoyed robot:" --repeats 5 --json bench.json
+  ctxpatch bench --context "Alice lives in Paris." --query "Where?" --scope query --no-memory
+"""
+EXAMPLES_REPRODUCE = """examples:
+  ctxpatch reproduce                       # the demo model, into ./ctxpatch-reproduction
+  ctxpatch reproduce --model smollm2 --out smol --prompts 2 --sweep 0,15,29
+"""
 EXAMPLES_VERIFY = """examples:
   ctxpatch verify p.safetensors
   ctxpatch verify p.safetensors --model ./my-model --dtype float64
@@ -114,14 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="time and memory of a comparison next to plain generation (ratios)",
         description="Alternates plain greedy generate and the comparison K times after a "
                     "warm-up; peak memory of each in its own child process. The last line of "
-                    "stdout is a JSON object with time_ratio and memory_ratio.")
+                    "stdout is a JSON object with time_ratio and memory_ratio.",
+        epilog=EXAMPLES_BENCH, formatter_class=argparse.RawDescriptionHelpFormatter)
     _compare_options(bench)
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--no-memory", action="store_true", help="skip the memory children")
     repro = sub.add_parser(
         "reproduce", help="the paper's experiments: 5 prompts x {direct, stable} x "
                           "{float32, bfloat16}, absorb all, plus a start-layer sweep; one report",
-        description="Runs resume: each finished run is saved under OUT/runs and reused.")
+        description="Runs resume: each finished run is saved under OUT/runs and reused.",
+        epilog=EXAMPLES_REPRODUCE, formatter_class=argparse.RawDescriptionHelpFormatter)
     repro.add_argument("--model", default="demo", help="hub id, local folder, 'demo' or 'smollm2'")
     repro.add_argument("--out", default="ctxpatch-reproduction", help="output folder")
     repro.add_argument("--device", default="auto")

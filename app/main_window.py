@@ -208,6 +208,8 @@ class MainWindow(QMainWindow):
         self._action(view, "Per-token &plots", "Ctrl+1", lambda: self.tabs.setCurrentIndex(0))
         self._action(view, "Patch &explorer", "Ctrl+2", lambda: self.tabs.setCurrentIndex(1))
         self._action(view, "&Controllability", "Ctrl+3", lambda: self.tabs.setCurrentIndex(2))
+        help_menu = bar.addMenu("&Help")
+        self._action(help_menu, "&About ctxpatch", "F1", self.show_about)
 
     # -- model and runs -------------------------------------------------------------------------
     @property
@@ -458,6 +460,35 @@ class MainWindow(QMainWindow):
                 data = None
             if isinstance(data, dict):
                 panel.restore(data)
+
+    def about_text(self) -> str:
+        """Versions of everything that decides a result, and where the model runs."""
+        from importlib.metadata import PackageNotFoundError, version
+
+        from PySide6 import __version__ as pyside
+        from PySide6.QtCore import qVersion
+
+        from core import __version__
+
+        def v(name: str) -> str:
+            try:
+                return version(name)
+            except PackageNotFoundError:
+                return "not installed"
+
+        model = self.model.info if self.model is not None else None
+        where = (f"{model['id']} ({model['class']}) in {model['dtype']} on {model['device']}"
+                 if model else "no model loaded")
+        return (f"<h3>ctxpatch {__version__}</h3><p>Context Patch Lab: a prompt's effect, "
+                "rewritten as exact token-specific weight patches (Goldwaser, Munn, Gonzalvo, "
+                "Dherin, arXiv 2511.17864).</p>"
+                f"<p>torch {v('torch')} · transformers {v('transformers')} · Qt {qVersion()} "
+                f"(PySide6 {pyside}) · pyqtgraph {v('pyqtgraph')}<br>Model: {where}</p>")
+
+    def show_about(self) -> None:
+        from PySide6.QtWidgets import QMessageBox
+
+        QMessageBox.about(self, "About ctxpatch", self.about_text())
 
     # -- history and sessions -------------------------------------------------------------------
     def _remember_run(self) -> None:

@@ -126,3 +126,9 @@ def test_the_plots_select_the_token_under_the_mouse(window: MainWindow, qtbot: A
     outside = plot.vb.mapViewToScene(QPointF(50.0, -2.0))  # beyond the last token: no change
     window.plots._on_hover((outside,))
     assert window.state.selected == 2
+
+
+def test_about_names_the_versions(window: MainWindow) -> None:
+    text = window.about_text()
+    for name in ("ctxpatch 0.", "torch", "transformers", "Qt ", "no model loaded"):
+        assert name in text

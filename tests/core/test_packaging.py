@@ -1,0 +1,44 @@
+"""The built wheel carries everything (code and resources) and runs outside the checkout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from tiny import gemma3_config, save_tiny_folder
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path: Path) -> None:
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(wheels), str(ROOT)], check=True, capture_output=True)
+    (wheel,) = wheels.glob("ctxpatch-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        entry = next(n for n in names if n.endswith("entry_points.txt"))
+        assert "ctxpatch = app.cli:main" in z.read(entry).decode()
+    assert {"resources/presets.json", "core/engine.py", "app/main_window.py"} <= names
+    assert not any(n.startswith("tests/") for n in names)
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
+                    str(site), str(wheel)], check=True, capture_output=True)
+    model = save_tiny_folder(tmp_path / "model", gemma3_config())
+    code = (
+        "import sys, core, app, resources\n"
+        f"assert core.__file__.startswith({str(site)!r}), core.__file__\n"
+        "assert len(resources.presets()) >= 5\n"
+        "from app.cli import main\n"
+        "assert main(['--version']) == 0\n"
+        f"sys.exit(main(['compare', '--model', {str(model)!r}, '--context', 'The fox.', "
+        "'--query', 'Hello', '--max-new-tokens', '3', '--quiet']))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("ctxpatch 0.") and "token match 3/3" in out.stdout
