@@ -54,6 +54,9 @@ def _model_options(p: argparse.ArgumentParser, dtype_default: str | None = "floa
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run model code shipped with the checkpoint (only for models you trust)")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="accept pickled weights (pytorch_model.bin) when there are no safetensors; "
+                        "loaded weights-only (only for models you trust)")
 
 
 def _compare_options(p: argparse.ArgumentParser) -> None:
@@ -177,7 +180,7 @@ def _load(args: argparse.Namespace, dtype: str, say: _Progress) -> Any:
     hf_logging.disable_progress_bar()  # our own progress lines stand in for tqdm's bars
 
     return load_model(args.model, dtype=dtype, device=args.device, progress=say,
-                      trust_remote_code=args.trust_remote_code)
+                      trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle)
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -393,12 +396,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ctxpatch: interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:  # noqa: BLE001 - the last line of defence: one line, exit 1
-        if os.environ.get("CTXPATCH_DEBUG"):
-            raise
-        print(f"ctxpatch: internal error: {type(exc).__name__}: {exc} "
-              "(set CTXPATCH_DEBUG=1 for the traceback)", file=sys.stderr)
-        return 1
+    except Exception as exc:  # noqa: BLE001 - out of memory is the user's to fix: say how
+        if not isinstance(exc, MemoryError) and type(exc).__name__ != "OutOfMemoryError":
+            return _internal(exc)
+        print(f"ctxpatch: error: out of memory ({type(exc).__name__}): {OOM_HINT}", file=sys.stderr)
+        return 2
+
+
+
+OOM_HINT = ("use a 16-bit dtype (--dtype bfloat16), a smaller model, fewer new tokens, a shorter "
+            "context, or --device cpu")
+
+
+def _internal(exc: Exception) -> int:
+    """The last line of defence: one line, exit 1 (CTXPATCH_DEBUG=1 re-raises)."""
+    if os.environ.get("CTXPATCH_DEBUG"):
+        raise exc
+    print(f"ctxpatch: internal error: {type(exc).__name__}: {exc} "
+          "(set CTXPATCH_DEBUG=1 for the traceback)", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

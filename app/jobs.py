@@ -43,7 +43,8 @@ class RunStarted:
     record: dict[str, Any] | None = None  # set when the run was reopened from its record
 
 
-def load_job(spec: str, dtype: str, device: str) -> Job:
+def load_job(spec: str, dtype: str, device: str, trust_remote_code: bool = False,
+             allow_pickle: bool = False) -> Job:
     def job(should_stop: StopFn, progress: ProgressFn) -> Iterator[Any]:
         from transformers.utils import logging as hf_logging
 
@@ -54,7 +55,8 @@ def load_job(spec: str, dtype: str, device: str) -> Job:
         start = time.perf_counter()
         progress(f"Loading {spec}…", 0, 0)
         loaded = load_model(spec, dtype=dtype, device=device, progress=progress,
-                            should_stop=should_stop)
+                            should_stop=should_stop, trust_remote_code=trust_remote_code,
+                            allow_pickle=allow_pickle)
         yield ModelReady(
             handle=loaded,
             key=(spec, dtype, device),

@@ -223,7 +223,8 @@ class MainWindow(QMainWindow):
         self.model = None  # free the old model's memory before loading the next
         self.model_panel.set_loaded("loading…")
         self._run_after_load = run_after
-        self._start(load_job(*key), "load", f"Loading {key[0]} ({key[1]}, {key[2]})…")
+        self._start(load_job(*key, **self.model_panel.trust_flags()), "load",
+                    f"Loading {key[0]} ({key[1]}, {key[2]})…")
 
     def start_run(self) -> None:
         if self.busy:

@@ -56,11 +56,11 @@ class Worker(QThread):
         except UserError as exc:
             self.failed.emit(str(exc))
             return
-        except MemoryError:
-            self.failed.emit("out of memory: choose a smaller model, a 16-bit dtype "
-                             "or fewer tokens")
-            return
         except Exception as exc:  # noqa: BLE001 - every failure reaches the window as one line
+            if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+                self.failed.emit("out of memory: choose bfloat16, a smaller model, fewer new "
+                                 "tokens, a shorter context or the CPU, and run again")
+                return
             log.error("worker failed\n%s", traceback.format_exc())
             self.failed.emit(f"internal error: {type(exc).__name__}: {exc} (details in the log)")
             return

@@ -56,6 +56,7 @@ class Settings:
     stop_at_eos: bool = False  # stop when the baseline emits an end-of-sequence token
     keep_patches: bool = False  # keep every step's patch vectors (for --save-patches)
     disabled: frozenset[str] = frozenset()  # patch kinds left out (negative controls)
+    on_fault: str = "stop"  # a NaN or infinity in logits or patches: "stop" or "continue"
 
     def validate(self) -> None:
         for name, value, allowed in (
@@ -67,6 +68,8 @@ class Settings:
                 raise UserError(f"unknown {name} {value!r}: use one of {', '.join(allowed)}")
         if not 1 <= self.max_new_tokens <= 100_000:
             raise UserError(f"max new tokens must be between 1 and 100000, not {self.max_new_tokens}")
+        if self.on_fault not in ("stop", "continue"):
+            raise UserError(f"unknown on_fault {self.on_fault!r}: use stop or continue")
         if not self.disabled <= set(PATCH_KINDS):
             raise UserError(f"disabled patch kinds must be among {', '.join(PATCH_KINDS)}")
 
@@ -397,6 +400,8 @@ def iter_token_patches(
                 else:
                     ctrl = last_logits(model, red_ids, device, positions=red_pos)
                 t3 = time.perf_counter()
+                if settings.on_fault == "stop":
+                    _check_finite(step, base, patched, ctrl, lps, loaded.dtype)
                 base_probs = torch.softmax(base, -1)
                 token = int(base.argmax())
                 yield StepResult(
@@ -424,6 +429,24 @@ def iter_token_patches(
         return
 
 
+def _check_finite(step: int, base: torch.Tensor, patched: torch.Tensor, ctrl: torch.Tensor,
+                  lps: dict[int, LayerPatch], dtype: torch.dtype) -> None:
+    """A NaN or infinity stops the run at the step and layer where it appeared, in one line."""
+    hint = (f"in {str(dtype).removeprefix('torch.')}: try float32 or bfloat16, or method "
+            "'stable'; or continue past faults (on_fault 'continue')")
+    where = f"numerical fault at token {step + 1}"
+    if not torch.isfinite(base).all():
+        raise UserError(f"{where}: the model's own full-context logits are NaN or infinite "
+                        f"{hint}")
+    bad = sorted(i for i, lp in lps.items() if lp.nonfinite)
+    if bad:
+        raise UserError(f"{where}, layer {bad[0]}: a patch vector is NaN or infinite {hint}")
+    if not torch.isfinite(patched).all():
+        raise UserError(f"{where}: the patched logits are NaN or infinite {hint}")
+    if not torch.isfinite(ctrl).all():
+        raise UserError(f"{where}: the unpatched control's logits are NaN or infinite {hint}")
+
+
 def _layer_info(lp: LayerPatch) -> dict[str, Any]:
     return {
         "shift_norm": lp.shift_norm,
@@ -433,6 +456,7 @@ def _layer_info(lp: LayerPatch) -> dict[str, Any]:
         "zero_z": lp.zero_z,
         "zero_h": lp.zero_h,
         "zero_s": lp.zero_s,
+        "nonfinite": lp.nonfinite,
     }
 
 

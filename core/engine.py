@@ -68,6 +68,7 @@ class LayerPatch:
     div_by_one: int = 0  # scale-patch coordinates with N(h)_j = 0
     hard_case: bool = False  # stable update: the secular equation had no interior root
     zero_s: bool = False  # MoE: the active routing weights summed to 0, no expert can absorb dv
+    nonfinite: bool = False  # a patch vector came out NaN or infinite
     block_error: float = float("nan")  # max |T - T_C| at the query after patching
 
 
@@ -314,7 +315,16 @@ class _LayerPatcher:
         return x if st is None or st == x.dtype else x.to(st).to(x.dtype)
 
     def _rank1(self, r: Rank1) -> Rank1:
-        return Rank1(self._stored(r.u), self._stored(r.a))
+        out = Rank1(self._stored(r.u), self._stored(r.a))
+        if not (torch.isfinite(out.u).all() and torch.isfinite(out.a).all()):
+            self.result.nonfinite = True
+        return out
+
+    def _delta(self, d: Tensor) -> Delta:
+        d = self._stored(d)
+        if not torch.isfinite(d).all():
+            self.result.nonfinite = True
+        return Delta(d)
 
     def _shift(self) -> Tensor:
         """``dv = v_C - v`` at the query."""
@@ -347,7 +357,7 @@ class _LayerPatcher:
         x, y = args[0], _first_output(output)
         spec = self.spec
         if spec.control == "bias":
-            d = Delta(self._stored(self._shift() / self.s.branch_scale))
+            d = self._delta(self._shift() / self.s.branch_scale)
             self.result.patches[self._name(module, "bias")] = d
             out = y.clone()
             sl = slice(-1, None) if spec.last_only else slice(None)
@@ -469,9 +479,10 @@ class _LayerPatcher:
         else:
             shift = self._shift()
         dm, zeros = scale_patch(shift, n)
-        dm = self._stored(dm)
+        patch = self._delta(dm)
+        dm = patch.delta
         self.result.div_by_one += zeros
-        self.result.patches[self._name(module, "weight")] = Delta(dm)
+        self.result.patches[self._name(module, "weight")] = patch
         weight = module.weight.detach().to(self.dtype) + dm
         self.recomputing = True
         try:

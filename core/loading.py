@@ -219,6 +219,7 @@ def load_model(
     progress: ProgressFn | None = None,
     should_stop: Callable[[], bool] | None = None,
     trust_remote_code: bool = False,
+    allow_pickle: bool = False,
 ) -> LoadedModel:
     """Load a model for comparison runs.
 
@@ -229,6 +230,9 @@ def load_model(
         progress: called with (message, done, total) at each stage.
         should_stop: checked between stages; raises `Cancelled`.
         trust_remote_code: run model code shipped with the checkpoint (explicit opt-in only).
+        allow_pickle: accept pickled weights (``pytorch_model.bin``) when a model has no
+            safetensors; transformers then loads them with ``torch.load(weights_only=True)``.
+            Off by default: a pickle can run code.
     """
     torch_dtype = resolve_dtype(dtype)
     torch_device = resolve_device(device)
@@ -244,6 +248,15 @@ def load_model(
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
     if local_only or os.environ.get("HF_HUB_OFFLINE"):
         kwargs["local_files_only"] = True
+    folder = Path(source)
+    if folder.is_dir() and not any(folder.glob("*.safetensors")):
+        pickled = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+        if pickled and not allow_pickle:
+            raise UserError(f"{spec} has only pickled weights ({pickled[0]}), which can run code "
+                            "when loaded: convert them to safetensors, or pass --allow-pickle "
+                            "if you trust this model")
+    if not folder.is_dir() and not allow_pickle:
+        kwargs["use_safetensors"] = True
     if torch_dtype == torch.float64 and "experts" in adapter.output_controls:
         kwargs["experts_implementation"] = "eager"  # the grouped-matmul kernel refuses float64
     try:

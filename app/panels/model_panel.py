@@ -6,6 +6,7 @@ from typing import Any
 
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (
+    QCheckBox,
     QComboBox,
     QFileDialog,
     QFormLayout,
@@ -71,6 +72,12 @@ class QtModelPanel(QGroupBox):
         self.absorb = _combo(ABSORB)
         self.scope = _combo(SCOPES)
         self.layers = QLineEdit("all")
+        self.trust = QCheckBox("Trust this model's own code")
+        self.trust.setToolTip("Run Python code shipped with the checkpoint (trust_remote_code). "
+                              "Only for models whose authors you trust: it can do anything.")
+        self.pickle = QCheckBox("Allow pickled weights")
+        self.pickle.setToolTip("Accept pytorch_model.bin when there are no safetensors (loaded "
+                               "weights-only). A pickle can run code: only for models you trust.")
         self.patches = _combo(ABLATIONS)
         self.patches.setToolTip("Leave out a kind of patch (ablation). Without output patches "
                                 "the output control is frozen; the controllability tab shows "
@@ -85,6 +92,8 @@ class QtModelPanel(QGroupBox):
         form.addRow("Precision", self.dtype)
         form.addRow("Device", self.device)
         form.addRow("Memory", self.footprint)
+        form.addRow(self.trust)
+        form.addRow(self.pickle)
         form.addRow("Loaded", self.loaded_label)
         form.addRow("Method", self.method)
         form.addRow("Absorb", self.absorb)
@@ -108,6 +117,10 @@ class QtModelPanel(QGroupBox):
 
     def key(self) -> tuple[str, str, str]:
         return (self.spec(), self.dtype.currentText(), self.device.currentText().strip() or "auto")
+
+    def trust_flags(self) -> dict[str, bool]:
+        """Per load, never saved: trusting code or pickles is a decision for each model."""
+        return {"trust_remote_code": self.trust.isChecked(), "allow_pickle": self.pickle.isChecked()}
 
     def _on_model_edited(self, *_: Any) -> None:
         from core.footprint import estimate

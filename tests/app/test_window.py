@@ -164,3 +164,19 @@ def test_the_window_opens_without_importing_torch(tmp_path: Any) -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.stdout.strip() == "[]", out.stderr[-2000:]
+
+
+def test_pickled_weights_need_the_checkbox(qtbot: Any, window: MainWindow, tmp_path: Any) -> None:
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "pickled"
+    shutil.copytree(window.model_panel.spec(), folder)
+    torch.save(load_file(str(folder / "model.safetensors")), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    window.model_panel.model.setCurrentText(str(folder))
+    assert _run(qtbot, window) == "failed" and "only pickled weights" in window.last_error
+    window.model_panel.pickle.setChecked(True)
+    assert _run(qtbot, window) == "completed"

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny import gemma3_config
+from tiny import gemma3_config, tiny_tokenizer
 
 from app.cli import main
 
@@ -162,3 +162,34 @@ def test_bench_prints_ratios_last(capsys: pytest.CaptureFixture[str], tiny_folde
     assert result["generate_s"] > 0 and result["memory"]["compare"]["peak_bytes"] > 0
     assert main(["bench", "--model", str(tiny_folder), "--query", "q", "--absorb", "all",
                  "--repeats", "0"]) == 2
+
+
+def test_pickled_weights_are_refused_unless_allowed(capsys: pytest.CaptureFixture[str],
+                                                   tmp_path: Path) -> None:
+    from tiny import tiny_loaded
+
+    loaded = tiny_loaded(gemma3_config(), dtype=__import__("torch").float32)
+    torch = __import__("torch")
+    loaded.model.config.save_pretrained(tmp_path)  # weights as a pickle, as older checkpoints
+    torch.save(loaded.model.state_dict(), tmp_path / "pytorch_model.bin")
+    tiny_tokenizer().save_pretrained(tmp_path)
+    assert not list(tmp_path.glob("*.safetensors")) and list(tmp_path.glob("*.bin"))
+    line = _err(capsys, ["compare", "--model", str(tmp_path), "--context", "c", "--query", "hi"])
+    assert "only pickled weights" in line and "--allow-pickle" in line
+    code = main(["compare", "--model", str(tmp_path), "--context", "The fox.", "--query", "Hi",
+                 "--max-new-tokens", "2", "--quiet", "--allow-pickle"])
+    assert code == 0, capsys.readouterr().err
+
+
+def test_out_of_memory_is_one_line_with_what_to_do(capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    import core.loading
+
+    def no_memory(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(core.loading, "load_model", no_memory)
+    line = _err(capsys, ["compare", "--context", "c", "--query", "hi"])
+    assert "out of memory" in line and "bfloat16" in line

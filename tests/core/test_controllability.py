@@ -94,3 +94,43 @@ def test_down_only_under_a_frozen_scale_is_the_section_7_case() -> None:
     p = plan(gemma, settings)
     assert p[1].outputs == ("model.layers.1.mlp.down_proj.weight",) and p[1].frozen_bound
     assert outcome(_steps(gemma, settings), p)[1]["beyond_bound_steps"] == list(range(TOKENS))
+
+
+def test_a_numerical_fault_stops_at_its_token_or_is_passed_as_asked() -> None:
+    import pytest
+
+    from core.errors import UserError
+
+    low = tiny_loaded(tiny_config("llama"), dtype=torch.float16)
+    with torch.no_grad():  # float16 tops out at 65504: this layer's output overflows
+        low.model.model.layers[1].mlp.down_proj.weight.mul_(1e7)
+    with pytest.raises(UserError, match=r"numerical fault at token 1: .*float16: try float32"):
+        _steps(low, Settings(max_new_tokens=TOKENS))
+    steps = _steps(low, Settings(max_new_tokens=2, on_fault="continue"))  # as the user chose
+    assert len(steps) == 2 and not math.isfinite(steps[0].logit_scale)
+
+
+def test_a_nonfinite_patch_names_its_layer(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import pytest
+
+    import core.engine as engine
+    from core.errors import UserError
+    from core.patches import Rank1
+
+    real = engine.matrix_output_patch
+
+    def poisoned(shift, h):  # type: ignore[no-untyped-def]
+        r = real(shift, h)
+        return Rank1(r.u * math.inf, r.a) if shift.shape[0] and poisoned.calls == 2 else r
+
+    poisoned.calls = 0  # type: ignore[attr-defined]
+
+    def counting(shift, h):  # type: ignore[no-untyped-def]
+        out = poisoned(shift, h)
+        poisoned.calls += 1  # type: ignore[attr-defined]
+        return out
+
+    monkeypatch.setattr(engine, "matrix_output_patch", counting)
+    llama = tiny_loaded(tiny_config("llama"))
+    with pytest.raises(UserError, match=r"numerical fault at token 1, layer 2: a patch vector"):
+        _steps(llama, Settings(max_new_tokens=2))
