@@ -74,6 +74,15 @@ def run_app(args: argparse.Namespace) -> int:
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("ctxpatch")
     app.setOrganizationName("ctxpatch")
+    app.setDesktopFileName("ctxpatch")
+    from PySide6.QtGui import QIcon
+
+    import resources
+
+    icon = QIcon()
+    for path in resources.icon_paths():
+        icon.addFile(path)
+    app.setWindowIcon(icon)
     options = window_options(args)
     window = MainWindow(autoload=not screenshot, options=options)
     _WINDOWS.append(window)  # alive until the process ends (never destroyed mid-session)

@@ -15,3 +15,10 @@ def presets() -> list[dict[str, Any]]:
     text = resources.files(__name__).joinpath("presets.json").read_text(encoding="utf-8")
     data = json.loads(text)
     return list(data["presets"])
+
+
+def icon_paths() -> list[str]:
+    """The application icon's PNG files, smallest first (for QIcon and the .desktop file)."""
+    folder = resources.files(__name__).joinpath("icons")
+    return [str(folder.joinpath(f"ctxpatch-{n}.png")) for n in (16, 24, 32, 48, 64, 128, 256, 512)
+            if folder.joinpath(f"ctxpatch-{n}.png").is_file()]

@@ -22,7 +22,8 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path: Path) -> Non
         names = set(z.namelist())
         entry = next(n for n in names if n.endswith("entry_points.txt"))
         assert "ctxpatch = app.cli:main" in z.read(entry).decode()
-    assert {"resources/presets.json", "core/engine.py", "app/main_window.py"} <= names
+    assert {"resources/presets.json", "core/engine.py", "app/main_window.py",
+            "resources/ctxpatch.desktop", "resources/icons/ctxpatch-256.png"} <= names
     assert not any(n.startswith("tests/") for n in names)
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
@@ -31,7 +32,7 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path: Path) -> Non
     code = (
         "import sys, core, app, resources\n"
         f"assert core.__file__.startswith({str(site)!r}), core.__file__\n"
-        "assert len(resources.presets()) >= 5\n"
+        "assert len(resources.presets()) >= 5 and len(resources.icon_paths()) == 8\n"
         "from app.cli import main\n"
         "assert main(['--version']) == 0\n"
         f"sys.exit(main(['compare', '--model', {str(model)!r}, '--context', 'The fox.', "

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Build the standalone one-folder bundle with PyInstaller, then smoke-test it.
+#   bash packaging/build_bundle.sh [OUT_DIR]      (needs: pip install pyinstaller)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-build/bundle}"
+# transformers imports each model family lazily: collect every family ctxpatch supports
+families=$(python -c "from core.adapters import REGISTRY
+print(' '.join(sorted({'--collect-submodules transformers.models.' + t.removesuffix('_text')
+                      for t in REGISTRY})))")
+# shellcheck disable=SC2086
+python -m PyInstaller --noconfirm --clean --onedir --name ctxpatch \
+  --distpath "$out/dist" --workpath "$out/work" --specpath "$out" \
+  --collect-data resources --collect-submodules core --collect-submodules app \
+  $families --collect-submodules transformers.integrations \
+  --collect-data transformers --copy-metadata transformers --copy-metadata torch \
+  --copy-metadata tokenizers --copy-metadata safetensors --copy-metadata huggingface-hub \
+  --copy-metadata ctxpatch --hidden-import pyqtgraph.exporters --collect-submodules gguf \
+  app/__main__.py
+python packaging/smoke.py "$out/dist/ctxpatch/ctxpatch"
