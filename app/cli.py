@@ -396,6 +396,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ctxpatch: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`ctxpatch ... | head -1`): not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush stays quiet
+        return 0
     except Exception as exc:  # noqa: BLE001 - out of memory is the user's to fix: say how
         if not isinstance(exc, MemoryError) and type(exc).__name__ != "OutOfMemoryError":
             return _internal(exc)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -193,3 +194,14 @@ def test_out_of_memory_is_one_line_with_what_to_do(capsys: pytest.CaptureFixture
     monkeypatch.setattr(core.loading, "load_model", no_memory)
     line = _err(capsys, ["compare", "--context", "c", "--query", "hi"])
     assert "out of memory" in line and "bfloat16" in line
+
+
+def test_a_closed_pipe_is_not_an_error(tiny_folder: Path) -> None:
+    """`ctxpatch compare ... | head -1`: the reader leaves early; no 'internal error'."""
+    cmd = (f"{sys.executable} -m app compare --model {tiny_folder} --context 'The fox.' "
+           "--query Hello --max-new-tokens 2 --quiet | head -1")
+    out = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.stdout.startswith("baseline (with context):")
+    assert "internal error" not in out.stderr and "Broken pipe" not in out.stderr
+    assert out.returncode == 0, out.stderr
