@@ -266,8 +266,13 @@ def load_model(
             local_files_only=kwargs.get("local_files_only", False),
             trust_remote_code=trust_remote_code,
         )
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - a damaged file is the user's to fix
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if type(exc).__name__ in ("SafetensorError", "HeaderTooLarge", "UnpicklingError"):
+            raise UserError(f"the weights of {spec} are damaged or incomplete ({first}): "
+                            "download or save the model again") from None
+        if not isinstance(exc, OSError | ValueError):
+            raise
         raise UserError(f"cannot load {spec}: {first}") from None
     model.to(torch_device).eval()
     if progress:

@@ -205,3 +205,23 @@ def test_a_closed_pipe_is_not_an_error(tiny_folder: Path) -> None:
     assert out.stdout.startswith("baseline (with context):")
     assert "internal error" not in out.stderr and "Broken pipe" not in out.stderr
     assert out.returncode == 0, out.stderr
+
+
+def test_truncated_weights_are_named_damaged(capsys: pytest.CaptureFixture[str],
+                                             tiny_folder: Path, tmp_path: Path) -> None:
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_folder, broken)
+    weights = broken / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+    line = _err(capsys, ["compare", "--model", str(broken), "--context", "c", "--query", "q"])
+    assert "weights of" in line and "damaged or incomplete" in line
+
+
+def test_a_context_longer_than_the_model_is_one_line(capsys: pytest.CaptureFixture[str],
+                                                     tiny_folder: Path) -> None:
+    line = _err(capsys, ["compare", "--model", str(tiny_folder), "--context", "word " * 600,
+                         "--query", "q"])
+    assert "input too long" in line and "positions" in line
