@@ -180,3 +180,12 @@ def test_pickled_weights_need_the_checkbox(qtbot: Any, window: MainWindow, tmp_p
     assert _run(qtbot, window) == "failed" and "only pickled weights" in window.last_error
     window.model_panel.pickle.setChecked(True)
     assert _run(qtbot, window) == "completed"
+
+
+def test_a_too_long_context_is_one_line_in_the_window(qtbot: Any, window: MainWindow) -> None:
+    window.input_panel.context.setPlainText("word " * 600)  # the tiny model has 512 positions
+    assert _run(qtbot, window) == "failed"
+    assert window.last_error.startswith("input too long") and window.banner.isVisible()
+    assert window.input_panel.context.toPlainText() == "word " * 600  # nothing lost
+    window.input_panel.context.setPlainText("Alice lives in Paris.")
+    assert _run(qtbot, window) == "completed"
