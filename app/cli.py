@@ -183,24 +183,32 @@ def _load(args: argparse.Namespace, dtype: str, say: _Progress) -> Any:
                       trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle)
 
 
+def _settings(args: argparse.Namespace, **overrides: Any) -> Any:
+    """The run's Settings from the compare options (shared by compare and bench), validated."""
+    from core.compare import Settings
+
+    if args.top_k < 1:
+        raise UserError("--top-k must be at least 1")
+    fields: dict[str, Any] = dict(
+        max_new_tokens=args.max_new_tokens, method=args.method, absorb=args.absorb,
+        scope=args.scope, layers=args.layers, keep_bos=args.keep_bos,
+        output_control=args.output_control, top_k=args.top_k, stop_at_eos=args.stop_at_eos,
+        disabled=frozenset(args.disable),
+    )
+    settings = Settings(**{**fields, **overrides})
+    settings.validate()
+    return settings
+
+
 def run_compare(args: argparse.Namespace) -> int:
-    from core.compare import Settings, iter_token_patches, parse_layers, summarize
+    from core.compare import iter_token_patches, parse_layers, summarize
     from core.export import run_record, save_patches, steps_csv, write_json, write_text
     from core.prompt import build_prompt
 
     say = _Progress(args.quiet)
     if args.image is not None:
         raise UserError("image context is not supported yet: give a text --context")
-    settings = Settings(
-        max_new_tokens=args.max_new_tokens, method=args.method, absorb=args.absorb,
-        scope=args.scope, layers=args.layers, keep_bos=args.keep_bos,
-        output_control=args.output_control, top_k=args.top_k, stop_at_eos=args.stop_at_eos,
-        keep_patches=args.save_patches is not None or args.verify,
-        disabled=frozenset(args.disable),
-    )
-    settings.validate()
-    if args.top_k < 1:
-        raise UserError("--top-k must be at least 1")
+    settings = _settings(args, keep_patches=args.save_patches is not None or args.verify)
     if args.absorb == "context" and not args.query.strip():
         raise UserError("the query is empty: with absorb 'context' the patched model needs query "
                         "tokens (type a query, or use --absorb all)")
@@ -211,7 +219,7 @@ def run_compare(args: argparse.Namespace) -> int:
     check_outputs(args.json, args.csv, args.save_patches, args.report)
     loaded = _load(args, args.dtype, say)
     prompt = build_prompt(loaded.tokenizer, args.context, args.query, args.chat_template)
-    from core.controllability import outcome, plan, summary_lines
+    from core.controllability import outcome, plan, record_section, summary_lines
 
     plans = plan(loaded, settings)
     for line in summary_lines(plans):
@@ -229,10 +237,8 @@ def run_compare(args: argparse.Namespace) -> int:
              "image": args.image}
     record = run_record(loaded.describe(), prompt, settings, steps, extra)
     record["summary"]["seconds"]["wall"] = elapsed
-    checks = outcome(steps, plans)
-    record["controllability"] = {"plan": [p.to_dict() for p in plans],
-                                 "outcome": {str(k): v for k, v in checks.items()}}
-    say(summary_lines(plans, checks)[-1])
+    record["controllability"] = record_section(plans, steps)
+    say(summary_lines(plans, outcome(steps, plans))[-1])
     if args.verify:
         record["verification"] = _verify_run(loaded, steps, settings, args.dtype, say)
     if args.report:
@@ -270,16 +276,13 @@ def run_bench(args: argparse.Namespace) -> int:
     import json
 
     from core.bench import machine, measure_memory, measure_time
-    from core.compare import Settings
     from core.prompt import build_prompt
 
     say = _Progress(args.quiet)
     if args.repeats < 1:
         raise UserError("--repeats must be at least 1")
-    settings = Settings(max_new_tokens=args.max_new_tokens, method=args.method, absorb=args.absorb,
-                        scope=args.scope, layers=args.layers, keep_bos=args.keep_bos,
-                        output_control=args.output_control, top_k=args.top_k)
-    settings.validate()
+    # generate cannot stop at EOS like the comparison would: both always make every token
+    settings = _settings(args, stop_at_eos=False)
     check_outputs(args.json)
     loaded = _load(args, args.dtype, say)
     prompt = build_prompt(loaded.tokenizer, args.context, args.query, args.chat_template)
@@ -318,6 +321,14 @@ def _tolerance(dtype: str, given: float | None = None) -> float:
     return {"float64": 1e-3, "float32": 1e-2}.get(dtype, float("inf"))
 
 
+def _verdict(checks: Sequence[Any], tol: float) -> tuple[bool, int, float]:
+    """(every token matches and the worst L-inf is within tol of the logit scale, matches,
+    worst L-inf relative to the logit scale)."""
+    worst = max((c.linf / max(c.scale, 1e-30) for c in checks), default=0.0)
+    matches = sum(c.match for c in checks)
+    return matches == len(checks) and worst <= tol, matches, worst
+
+
 def _verify_run(loaded: Any, steps: list[Any], settings: Any, dtype: str, say: _Progress
                 ) -> dict[str, Any]:
     from core.verify import patches_of_steps, verify_patches
@@ -325,9 +336,7 @@ def _verify_run(loaded: Any, steps: list[Any], settings: Any, dtype: str, say: _
     checks = verify_patches(loaded, patches_of_steps(steps, settings.scope),
                             progress=lambda d, t: say("verified step", d, t))
     tol = _tolerance(dtype)
-    worst = max((c.linf / max(c.scale, 1e-30) for c in checks), default=0.0)
-    matches = sum(c.match for c in checks)
-    ok = matches == len(checks) and worst <= tol
+    ok, matches, worst = _verdict(checks, tol)
     say(f"{'verified' if ok else 'verification FAILED'}: {matches}/{len(checks)} tokens match "
         f"with the patches written into the weights, max L-inf {worst:.3g} of the logit scale")
     return {"ok": ok, "matches": matches, "steps": len(checks), "worst_relative_linf": worst,
@@ -346,9 +355,7 @@ def run_verify(args: argparse.Namespace) -> int:
     loaded = _load(args, dtype, say)
     checks = verify_patches(loaded, pf, progress=lambda d, t: say(f"verified step {d}", d, t))
     tol = _tolerance(dtype, args.tolerance)
-    worst = max((c.linf / max(c.scale, 1e-30) for c in checks), default=0.0)
-    matches = sum(c.match for c in checks)
-    ok = matches == len(checks) and worst <= tol
+    ok, matches, worst = _verdict(checks, tol)
     if args.json:
         from dataclasses import asdict
 

@@ -134,6 +134,13 @@ def outcome(steps: Sequence[StepResult], plans: Sequence[LayerPlan]) -> dict[int
     return out
 
 
+def record_section(plans: Sequence[LayerPlan], steps: Sequence[StepResult]
+                   ) -> dict[str, Any]:
+    """The report as it goes into a run record: the plan, and the outcome keyed by layer."""
+    return {"plan": [p.to_dict() for p in plans],
+            "outcome": {str(k): v for k, v in outcome(steps, plans).items()}}
+
+
 def summary_lines(plans: Sequence[LayerPlan], result: dict[int, dict[str, Any]] | None = None
                   ) -> list[str]:
     """A few plain lines for the command line (the window shows the full table)."""

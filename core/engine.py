@@ -446,11 +446,7 @@ class _LayerPatcher:
                 patched = module(x[rows], index[rows], weights[rows])
         finally:
             self.recomputing = False
-        if self.spec.last_only and x.shape[0] > 1:
-            out = _first_output(output).clone()
-            out[-1:] = patched
-            return _replace_output(output, out)
-        return _replace_output(output, patched)
+        return _last_rows(output, patched, self.spec.last_only)
 
     def _expert_patch(self, module: nn.Module, param: str, e: int,
                       pairs: list[tuple[Tensor, Tensor]], r: Rank1 | None, zero_flag: str

@@ -62,7 +62,7 @@ def run_grid(model: str, out: Path, jobs: Sequence[Job], tokens: int, device: st
     from transformers.utils import logging as hf_logging
 
     from core.compare import Settings, iter_token_patches
-    from core.controllability import outcome, plan
+    from core.controllability import plan, record_section
     from core.export import run_record, write_json
     from core.loading import load_model
     from core.prompt import build_prompt
@@ -91,10 +91,7 @@ def run_grid(model: str, out: Path, jobs: Sequence[Job], tokens: int, device: st
         record = run_record(loaded.describe(), prompt, settings, steps,
                             {"model": model, "dtype": job.dtype, "context": "",
                              "query": PAPER_PROMPTS[job.prompt], "prompt_index": job.prompt + 1})
-        plans = plan(loaded, settings)
-        record["controllability"] = {"plan": [p.to_dict() for p in plans],
-                                     "outcome": {str(k): v for k, v in
-                                                 outcome(steps, plans).items()}}
+        record["controllability"] = record_section(plan(loaded, settings), steps)
         record["max_abs_scale_patch"] = max_scale_patch(record)
         write_json(path, record)
         records[job.name] = record

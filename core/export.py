@@ -144,6 +144,15 @@ def steps_csv(steps: Sequence[StepResult]) -> str:
     return buf.getvalue()
 
 
+def patch_step_meta(s: StepResult) -> dict[str, Any]:
+    """What the patches file says of one step: the sequences its patches are checked on."""
+    return {
+        "full_input_ids": list(s.full_input_ids),
+        "reduced_input_ids": list(s.reduced_input_ids),
+        "reduced_position_ids": None if s.reduced_position_ids is None else list(s.reduced_position_ids),
+    }
+
+
 def save_patches(
     path: str | Path, steps: Sequence[StepResult], model_id: str, dtype: str, settings: Settings
 ) -> int:
@@ -161,11 +170,7 @@ def save_patches(
             raise UserError("this run kept no patches: run it with keep_patches (--save-patches)")
         for name, arr in s.patches.items():
             tensors[f"step.{s.step}.{name}"] = np.ascontiguousarray(arr, dtype=np.float32)
-        meta_steps.append({
-            "full_input_ids": list(s.full_input_ids),
-            "reduced_input_ids": list(s.reduced_input_ids),
-            "reduced_position_ids": None if s.reduced_position_ids is None else list(s.reduced_position_ids),
-        })
+        meta_steps.append(patch_step_meta(s))
     metadata = {
         "format": PATCHES_FORMAT,
         "model": model_id,

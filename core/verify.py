@@ -21,7 +21,7 @@ import torch
 
 from core.engine import last_logits, logit_distance, written_
 from core.errors import Cancelled, UserError
-from core.export import PATCHES_FORMAT
+from core.export import PATCHES_FORMAT, patch_step_meta
 from core.loading import LoadedModel
 
 _NAME = re.compile(r"^step\.(\d+)\.(.+?)(?:\[(\d+)\])?\.(u|v|delta)$")
@@ -81,10 +81,7 @@ def patches_of_steps(steps: Sequence[Any], scope: str) -> PatchFile:
     for s in steps:
         if s.patches is None:
             raise UserError("this run kept no patches to verify (keep_patches was off)")
-        pf.steps.append({"full_input_ids": list(s.full_input_ids),
-                         "reduced_input_ids": list(s.reduced_input_ids),
-                         "reduced_position_ids": None if s.reduced_position_ids is None
-                         else list(s.reduced_position_ids)})
+        pf.steps.append(patch_step_meta(s))
         for name, arr in s.patches.items():
             _add_tensor(pf, f"step.{s.step}.{name}", torch.from_numpy(arr), "the run")
     return pf
