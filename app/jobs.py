@@ -94,8 +94,7 @@ def run_job(model: ModelReady, context: str, query: str, chat_template: bool,
             model=model.info,
             plan=tuple(plan(loaded, s)),
         )
-        for i, step in enumerate(iter_token_patches(loaded, prompt, s, should_stop)):
-            progress(f"token {i + 1}/{s.max_new_tokens}", i + 1, s.max_new_tokens)
-            yield step
+        # (the window's progress follows the tokens as they arrive in RunState)
+        yield from iter_token_patches(loaded, prompt, s, should_stop)
 
     return job

@@ -289,7 +289,6 @@ class MainWindow(QMainWindow):
         self.state.reset(started)
         self.progress.setRange(0, started.settings["max_new_tokens"])
         self.progress.setValue(0)
-        self.tabs.setEnabled(True)
 
     def _on_failed(self, message: str) -> None:
         self._outcome = "failed"
@@ -371,7 +370,7 @@ class MainWindow(QMainWindow):
         if getattr(self.state.started, "record", None) is not None:
             return self.state.started.record  # a run reopened from a session
         from core.compare import Settings
-        from core.controllability import outcome
+        from core.controllability import record_section
         from core.export import run_record
 
         started = self.state.started
@@ -383,9 +382,7 @@ class MainWindow(QMainWindow):
         record = run_record(started.model, started.prompt, Settings.from_dict(known),
                             self.state.steps, extra)
         if started.plan:
-            record["controllability"] = {
-                "plan": [p.to_dict() for p in started.plan],
-                "outcome": {str(k): v for k, v in outcome(self.state.steps, started.plan).items()}}
+            record["controllability"] = record_section(started.plan, self.state.steps)
         return record
 
     def export(self, kind: str, path: str | None = None) -> bool:

@@ -141,9 +141,13 @@ def _esc(x: Any) -> str:
     return html.escape(str(x), quote=True)
 
 
-def _table(rows: Sequence[Sequence[Any]], header: Sequence[str] | None = None) -> str:
+def _table(rows: Sequence[Sequence[Any]], header: Sequence[str] | None = None,
+           cell: Any = str) -> str:
+    """An HTML table; every cell is written by ``cell`` (``str``, or `_fmt` for numbers), then
+    escaped."""
     head = "".join(f"<th>{_esc(h)}</th>" for h in header) if header else ""
-    body = "".join("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in row) + "</tr>" for row in rows)
+    body = "".join("<tr>" + "".join(f"<td>{_esc(cell(c))}</td>" for c in row) + "</tr>"
+                   for row in rows)
     return f"<table>{'<tr>' + head + '</tr>' if head else ''}{body}</table>"
 
 
@@ -157,6 +161,9 @@ def _tokens(run: Run, side: str) -> str:
 
 
 def _fmt(x: Any) -> str:
+    """A number for a table: 3 significant digits; a missing one as a dash."""
+    if x is None:
+        return "—"
     return f"{x:.3g}" if isinstance(x, float) else str(x)
 
 

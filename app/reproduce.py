@@ -16,12 +16,6 @@ from typing import Any
 from core import experiments as ex
 
 
-def _fmt(x: Any) -> str:
-    if x is None:
-        return "—"
-    return f"{x:.3g}" if isinstance(x, float) else str(x)
-
-
 def _figure4(rows: list[dict[str, Any]], records: dict[str, Any], prompts: int) -> Any:
     import numpy as np
     import pyqtgraph as pg
@@ -108,10 +102,10 @@ def _image(graphics: Any, size: tuple[int, int] = (1100, 420)) -> tuple[bytes, b
 
 
 def _table(rows: list[list[Any]], header: list[str]) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in r) + "</tr>"
-                   for r in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+    from app.report import _fmt
+    from app.report import _table as table
+
+    return table(rows, header, cell=_fmt)
 
 
 def write_reproduction(out: Path, model: str, records: dict[str, Any], rows: list[dict[str, Any]],

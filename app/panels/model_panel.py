@@ -46,7 +46,6 @@ def _combo(items: tuple[str, ...], editable: bool = False) -> QComboBox:
 
 class QtModelPanel(QGroupBox):
     load_requested = Signal()
-    model_changed = Signal()
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__("Model", parent)
@@ -127,7 +126,6 @@ class QtModelPanel(QGroupBox):
 
         fp = estimate(self.spec(), self.dtype.currentText())
         self.footprint.setText(fp.describe() if fp else "unknown until loaded")
-        self.model_changed.emit()
 
     def remember(self, spec: str, limit: int = 10) -> None:
         """Put a successfully loaded model first in the recent list."""
