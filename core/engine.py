@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from core.adapters.base import LayerSites
 from core.errors import Cancelled
+from core.images import vision_kwargs
 from core.patches import (
     Delta,
     Patch,
@@ -145,8 +146,13 @@ def written_(pairs: Sequence[tuple[Tensor, Tensor]]) -> Iterator[None]:
 
 
 def last_logits(model: Any, ids: Sequence[int], device: torch.device, cache: Any = None,
-                positions: Sequence[int] | None = None) -> torch.Tensor:
-    """Last-position logits as a float64 CPU vector."""
+                positions: Sequence[int] | None = None, pixels: dict[str, Any] | None = None
+                ) -> torch.Tensor:
+    """Last-position logits as a float64 CPU vector.
+
+    ``pixels``: an image's processor inputs (`core.prompt.Prompt.pixels`), for a run over ids
+    from position 0 that contain its image tokens.
+    """
     kwargs: dict[str, Any] = {"logits_to_keep": 1}
     if cache is not None:
         kwargs.update(cache=cache, use_cache=True)
@@ -154,7 +160,10 @@ def last_logits(model: Any, ids: Sequence[int], device: torch.device, cache: Any
         kwargs["use_cache"] = False
     if positions is not None:
         kwargs["position_ids"] = torch.tensor([list(positions)], device=device)
-    out = model(input_ids=torch.tensor([list(ids)], device=device), **kwargs)
+    input_ids = torch.tensor([list(ids)], device=device)
+    if pixels:
+        kwargs.update(vision_kwargs(model, pixels, input_ids))
+    out = model(input_ids=input_ids, **kwargs)
     return out.logits[0, -1].detach().to("cpu", torch.float64)
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from core.compare import Settings, StepResult, summarize
 from core.errors import UserError
+from core.images import ImageInfo
 from core.prompt import Prompt
 
 SCHEMA_VERSION = 1
@@ -154,9 +155,12 @@ def patch_step_meta(s: StepResult) -> dict[str, Any]:
 
 
 def save_patches(
-    path: str | Path, steps: Sequence[StepResult], model_id: str, dtype: str, settings: Settings
+    path: str | Path, steps: Sequence[StepResult], model_id: str, dtype: str, settings: Settings,
+    image: ImageInfo | None = None,
 ) -> int:
     """Write every step's patches as one safetensors file; returns the tensor count.
+
+    ``image``: the context's picture, recorded (path, sha256) so `verify` can find it again.
 
     Raises:
         UserError: when the run kept no patches (``Settings.keep_patches`` was off).
@@ -182,5 +186,7 @@ def save_patches(
         "output_control": settings.output_control or "",
         "steps": json.dumps(meta_steps),
     }
+    if image is not None:
+        metadata["image"] = json.dumps(image.to_dict())
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     return len(tensors)

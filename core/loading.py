@@ -44,6 +44,7 @@ class LoadedModel:
     source: str  # the folder or hub id actually loaded
     dtype: torch.dtype
     device: torch.device
+    processor: Any = None  # image+text models: the processor that turns a picture into tokens
 
     def describe(self) -> dict[str, Any]:
         import transformers
@@ -243,7 +244,7 @@ def load_model(
         raise Cancelled
     if progress:
         progress(f"Loading {spec}", 0, 1)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
     if local_only or os.environ.get("HF_HUB_OFFLINE"):
@@ -260,8 +261,11 @@ def load_model(
     if torch_dtype == torch.float64 and "experts" in adapter.output_controls:
         kwargs["experts_implementation"] = "eager"  # the grouped-matmul kernel refuses float64
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(
+        image_text = getattr(config, "vision_config", None) is not None
+        auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+        model = auto.from_pretrained(source, **kwargs)
+        processor = _processor(source, kwargs, trust_remote_code) if image_text else None
+        tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(
             source,
             local_files_only=kwargs.get("local_files_only", False),
             trust_remote_code=trust_remote_code,
@@ -277,4 +281,15 @@ def load_model(
     model.to(torch_device).eval()
     if progress:
         progress(f"Loaded {spec}", 1, 1)
-    return LoadedModel(model, tokenizer, adapter, spec, source, torch_dtype, torch_device)
+    return LoadedModel(model, tokenizer, adapter, spec, source, torch_dtype, torch_device, processor)
+
+
+def _processor(source: str, kwargs: dict[str, Any], trust_remote_code: bool) -> Any:
+    """An image+text model's processor (tokenizer and image processor), offline where asked."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(
+        source,
+        local_files_only=kwargs.get("local_files_only", False),
+        trust_remote_code=trust_remote_code,
+    )

@@ -1,7 +1,8 @@
 """Segments -> full ids, reduced ids and positions: the only place that decides them.
 
-A prompt is an ordered list of segments (template text, context, query), each tokenized on its
-own and concatenated, so the reduced sequence is an exact id-level sub-sequence of the full one.
+A prompt is an ordered list of segments (template text, image, context, query), each tokenized on
+its own and concatenated, so the reduced sequence is an exact id-level sub-sequence of the full one.
+An image segment holds the image tokens the model's processor made; it is absorbed like context.
 
 - Absorb mode "context": Y = the context segments. The reduced sequence is the full one without
   them, then the generated history; positions are 0..n-1 (the model simply never saw the context).
@@ -12,10 +13,14 @@ own and concatenated, so the reduced sequence is an exact id-level sub-sequence 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from core.errors import UserError
+from core.images import ImageInfo, encode_image, image_marker, text_only
+
+#: segment kinds that absorb mode "context" takes out of the reduced sequence
+ABSORBED = ("context", "image")
 
 ABSORB_MODES = ("context", "all")
 
@@ -27,7 +32,7 @@ _CTX, _QRY = "\x00CTXPATCH_CONTEXT\x00", "\x00CTXPATCH_QUERY\x00"
 
 @dataclass(frozen=True)
 class Segment:
-    """One piece of the prompt: ``kind`` is "template", "context" or "query"."""
+    """One piece of the prompt: ``kind`` is "template", "image", "context" or "query"."""
 
     kind: str
     text: str
@@ -40,6 +45,9 @@ class Prompt:
 
     segments: tuple[Segment, ...]
     bos_id: int | None = None
+    image: ImageInfo | None = None
+    #: the processor's pixel inputs for the image segment (tensors; never serialized)
+    pixels: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     @property
     def full_ids(self) -> tuple[int, ...]:
@@ -48,15 +56,22 @@ class Prompt:
     @property
     def reduced_prompt_ids(self) -> tuple[int, ...]:
         """The prompt without its context segments (absorb mode "context")."""
-        return tuple(i for s in self.segments if s.kind != "context" for i in s.ids)
+        return tuple(i for s in self.segments if s.kind not in ABSORBED for i in s.ids)
+
+    @property
+    def has_context(self) -> bool:
+        return any(s.kind in ABSORBED and s.ids for s in self.segments)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "segments": [{"kind": s.kind, "text": s.text, "ids": list(s.ids)} for s in self.segments],
             "full_input_ids": list(self.full_ids),
             "reduced_input_ids": list(self.reduced_prompt_ids),
             "bos_id": self.bos_id,
         }
+        if self.image is not None:
+            out["image"] = self.image.to_dict()
+        return out
 
 
 def _encode(tokenizer: Any, text: str) -> tuple[int, ...]:
@@ -77,38 +92,71 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def build_prompt(tokenizer: Any, context: str, query: str, chat_template: bool = False) -> Prompt:
-    """Split a context and a query into tokenized segments.
+def _render_chat(tokenizer: Any, processor: Any, context: str, image: bool) -> str:
+    text = (_CTX if context else "") + _QRY
+    if not image:
+        messages: list[dict[str, Any]] = [{"role": "user", "content": text}]
+        owner = tokenizer
+    else:
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+        owner = processor if getattr(processor, "chat_template", None) else tokenizer
+    if not getattr(owner, "chat_template", None):
+        raise UserError("this tokenizer has no chat template: run without --chat-template")
+    return str(owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+
+def build_prompt(tokenizer: Any, context: str, query: str, chat_template: bool = False,
+                 image: tuple[Any, ImageInfo] | None = None, processor: Any = None) -> Prompt:
+    """Split a context and a query (and an image) into tokenized segments.
 
     Args:
         tokenizer: the model's tokenizer.
-        context: text to absorb (may be empty with absorb mode "all").
+        context: text to absorb (may be empty with absorb mode "all", or with an image).
         query: text kept in the reduced sequence.
-        chat_template: wrap both in the tokenizer's chat template as one user turn with the
-            generation prompt; else raw text after BOS (the paper's setting).
+        chat_template: wrap both in the chat template as one user turn with the generation
+            prompt (the image first); else raw text after BOS (the paper's setting): BOS, the
+            image, the context, the query.
+        image: a decoded picture and its record (`core.images.read_image`), absorbed with the
+            context; needs ``processor``.
+        processor: the image+text model's processor (None for a text-only model).
     """
+    if image is not None and processor is None:
+        raise text_only()
     ctx_text = context + CONTEXT_SEPARATOR if context else ""
+    picture: Segment | None = None
+    pixels: dict[str, Any] | None = None
+    if image is not None:
+        ids, pixels = encode_image(processor, image[0])
+        picture = Segment("image", image_marker(processor), ids)
     segments: list[Segment] = []
     if chat_template:
-        if not has_chat_template(tokenizer):
-            raise UserError("this tokenizer has no chat template: run without --chat-template")
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": (_CTX if context else "") + _QRY}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
+        # rendered = pre [image] mid [context] query tail; what lies between the image and the
+        # context (a newline, say) belongs to the image and is absorbed with it
+        rendered = _render_chat(tokenizer, processor, context, picture is not None)
         head, _, tail = rendered.partition(_QRY)
-        pre, _, _ = head.partition(_CTX) if context else (head, "", "")
-        pieces = [("template", pre), ("context", ctx_text), ("query", query), ("template", tail)]
-        segments = [Segment(k, t, _encode(tokenizer, t)) for k, t in pieces if t]
+        head = head.partition(_CTX)[0]
+        pre, mid = head, ""
+        if picture is not None:
+            pre, found, mid = head.partition(picture.text)
+            if not found:
+                raise UserError("this chat template does not put the image before the text: run "
+                                "without --chat-template")
+        segments = [Segment("template", pre, _encode(tokenizer, pre))] if pre else []
+        if picture is not None:
+            segments.append(picture)
+        pieces = [("context", mid + ctx_text), ("query", query), ("template", tail)]
+        segments += [Segment(k, t, _encode(tokenizer, t)) for k, t in pieces if t]
     else:
         if _adds_bos(tokenizer):
             bos = tokenizer.bos_token_id
             segments.append(Segment("template", tokenizer.convert_ids_to_tokens(bos), (bos,)))
+        if picture is not None:
+            segments.append(picture)
         for kind, text in (("context", ctx_text), ("query", query)):
             if text:
                 segments.append(Segment(kind, text, _encode(tokenizer, text)))
-    return Prompt(tuple(segments), bos_id=getattr(tokenizer, "bos_token_id", None))
+    return Prompt(tuple(segments), bos_id=getattr(tokenizer, "bos_token_id", None),
+                  image=None if image is None else image[1], pixels=pixels)
 
 
 def check_prompt(prompt: Prompt, absorb: str) -> None:
@@ -118,7 +166,7 @@ def check_prompt(prompt: Prompt, absorb: str) -> None:
     if not prompt.full_ids:
         raise UserError("the prompt is empty: give a context and/or a query")
     if absorb == "context":
-        if not any(s.kind == "context" and s.ids for s in prompt.segments):
+        if not prompt.has_context:
             raise UserError(
                 "the context is empty: with absorb 'context' there is nothing to absorb "
                 "(give a context, or use absorb 'all')"

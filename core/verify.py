@@ -121,16 +121,47 @@ class StepCheck:
     scale: float  # max |full-context logits|
 
 
+def image_pixels(loaded: LoadedModel, pf: PatchFile, path: str | None = None
+                 ) -> dict[str, Any] | None:
+    """The pixel inputs the full-context runs of a patches file need: its image (recorded in the
+    metadata, or ``path`` instead), checked against the recorded hash; None without an image."""
+    from core.images import ImageInfo, encode_image, read_image, text_only
+
+    recorded = json.loads(pf.metadata["image"]) if pf.metadata.get("image") else None
+    if recorded is None and path is None:
+        return None
+    if loaded.processor is None:
+        raise text_only(f"{loaded.spec}")
+    info = ImageInfo.from_dict(recorded) if recorded is not None else None
+    where = path or (info.path if info is not None else "")
+    if path is None and info is not None and not Path(info.path).is_file():
+        raise UserError(f"these patches were made with the image {info.path}, which is gone: "
+                        "pass --image FILE with the same picture")
+    image, found = read_image(where)
+    if info is not None and found.sha256 != info.sha256:
+        raise UserError(f"{where} is not the image these patches were made with (sha256 "
+                        f"{found.sha256[:12]}..., recorded {info.sha256[:12]}...)")
+    return encode_image(loaded.processor, image)[1]
+
+
 def verify_patches(
     loaded: LoadedModel,
     pf: PatchFile,
     progress: Callable[[int, int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    pixels: dict[str, Any] | None = None,
 ) -> list[StepCheck]:
-    """Compare patched-weights reduced logits with the full-context logits at every step."""
+    """Compare patched-weights reduced logits with the full-context logits at every step.
+
+    ``pixels``: the image's inputs (`image_pixels`) when the full ids hold image tokens.
+    """
     from transformers import DynamicCache
 
     model, device = loaded.model, loaded.device
+    image_token = getattr(model.config, "image_token_id", None)
+    if pixels is None and image_token is not None and any(
+            image_token in meta["full_input_ids"] for meta in pf.steps):
+        raise UserError("these patches were made with an image in the context: pass --image FILE")
     query_scope = pf.metadata.get("scope") == "query"
     checks: list[StepCheck] = []
 
@@ -138,7 +169,7 @@ def verify_patches(
         for t, meta in enumerate(pf.steps):
             if should_stop is not None and should_stop():
                 raise Cancelled
-            full = last_logits(model, meta["full_input_ids"], device)
+            full = last_logits(model, meta["full_input_ids"], device, pixels=pixels)
             red, pos = meta["reduced_input_ids"], meta["reduced_position_ids"]
             step_patches = pf.patches.get(t, {})
             if query_scope and len(red) > 1:

@@ -22,3 +22,9 @@ def icon_paths() -> list[str]:
     folder = resources.files(__name__).joinpath("icons")
     return [str(folder.joinpath(f"ctxpatch-{n}.png")) for n in (16, 24, 32, 48, 64, 128, 256, 512)
             if folder.joinpath(f"ctxpatch-{n}.png").is_file()]
+
+
+def sample_image_path() -> str:
+    """The bundled sample picture (a tortoiseshell cat on a wooden floor; CC0, see
+    LICENSE-sample.txt)."""
+    return str(resources.files(__name__).joinpath("sample.png"))

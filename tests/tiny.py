@@ -176,3 +176,88 @@ def save_tiny_folder(folder: Any, config: Any | None = None, seed: int = 0) -> A
     loaded.model.save_pretrained(folder)
     loaded.tokenizer.save_pretrained(folder)
     return folder
+
+
+#: image+text families: (image tokens the tokenizer needs, as extra special tokens by role)
+IMAGE_TOKENS = {
+    "gemma3": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+               "image_token": "<image_soft_token>"},
+    "llava": {"image_token": "<image>"},
+}
+IMAGE_SIZE = 32
+
+
+def image_tokenizer(kind: str) -> Any:
+    """The tiny tokenizer plus the image tokens of an image+text family (ids 320 and up)."""
+    from transformers import PreTrainedTokenizerFast
+
+    roles = IMAGE_TOKENS[kind]
+    backend = tiny_tokenizer(320).backend_tokenizer.__class__.from_str(
+        tiny_tokenizer(320).backend_tokenizer.to_str())
+    from tokenizers import AddedToken
+
+    backend.add_special_tokens([AddedToken(t, special=True) for t in roles.values()])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>", extra_special_tokens=dict(roles))
+
+
+def image_text_parts(kind: str, layers: int = 4) -> tuple[Any, Any]:
+    """(config, processor) of a tiny image+text model: Gemma 3 (SigLIP, 4 soft tokens per image)
+    or LLaVA on Llama (CLIP, 16 patch tokens + CLS dropped)."""
+    tok = image_tokenizer(kind)
+    ids = {role: tok.convert_tokens_to_ids(t) for role, t in IMAGE_TOKENS[kind].items()}
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=IMAGE_SIZE, patch_size=8)
+    norm = dict(image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    if kind == "gemma3":
+        from transformers import Gemma3Config, Gemma3ImageProcessorPil, Gemma3Processor
+
+        config = Gemma3Config(
+            text_config=gemma3_config(layers=layers, vocab=330).to_dict(),
+            vision_config=vision, mm_tokens_per_image=4, boi_token_index=ids["boi_token"],
+            eoi_token_index=ids["eoi_token"], image_token_index=ids["image_token"])
+        images = Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, **norm)
+        processor = Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=4)
+    else:
+        from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaProcessor
+
+        config = LlavaConfig(
+            text_config=llama_config(layers=layers, vocab=330).to_dict(),
+            vision_config={**vision, "model_type": "clip_vision_model", "projection_dim": 16},
+            image_token_index=ids["image_token"], vision_feature_select_strategy="default",
+            vision_feature_layer=-2)
+        images = CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
+                                       crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, **norm)
+        processor = LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=8,
+                                   vision_feature_select_strategy="default",
+                                   num_additional_image_tokens=1)
+    return config, processor
+
+
+def tiny_image_loaded(kind: str, dtype: torch.dtype = torch.float64, seed: int = 0) -> Any:
+    """A `LoadedModel` of a random image+text model with its processor (random norms, biases)."""
+    from transformers import AutoModelForImageTextToText
+
+    from core.adapters import adapter_for_config
+    from core.loading import LoadedModel
+
+    config, processor = image_text_parts(kind)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=dtype).eval()
+    randomize_norms(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # Gemma 3's projector starts at zero: the image would be all zeros
+        for p in model.parameters():
+            if not p.any():
+                p.add_((torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.2).to(p.dtype))
+    return LoadedModel(model=model, tokenizer=processor.tokenizer, adapter=adapter_for_config(config),
+                       spec=f"tiny-{kind}-image", source="memory", dtype=dtype,
+                       device=torch.device("cpu"), processor=processor)
+
+
+def save_tiny_image_folder(folder: Any, kind: str, seed: int = 0) -> Any:
+    """Write a tiny random image+text model and its processor as a model folder."""
+    loaded = tiny_image_loaded(kind, dtype=torch.float32, seed=seed)
+    loaded.model.save_pretrained(folder)
+    loaded.processor.save_pretrained(folder)
+    return folder

@@ -33,9 +33,15 @@ def supported_families() -> str:
 
 def adapter_for_config(config: Any) -> Adapter:
     """The adapter for a transformers config, or a `UserError` naming the supported families."""
+    from core.images import check_image_text
+
+    check_image_text(config)
     model_type = getattr(config, "model_type", None)
     if model_type in REGISTRY:
         return REGISTRY[model_type]
+    text = getattr(config, "text_config", None)
+    if getattr(config, "vision_config", None) is not None and text is not None:
+        return adapter_for_config(text)  # the language model of an image+text model
     arch = (getattr(config, "architectures", None) or [model_type or "unknown"])[0]
     raise UserError(
         f"unsupported architecture {arch} (model_type {model_type!r}); "
