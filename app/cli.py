@@ -23,6 +23,8 @@ EXAMPLES_COMPARE = """examples:
       from the perspective of a slightly annoyed robot:" --json mars.json
   ctxpatch compare --context "Alice lives in Paris." --query "Where does Alice live?" \\
       --method stable --dtype bfloat16 --save-patches p.safetensors
+  ctxpatch compare --model google/gemma-3-4b-it --chat-template --image cat.png \
+      --query "Describe this image in 10 words." --report cat.html
 """
 EXAMPLES_BENCH = """examples:
   ctxpatch bench --absorb all --query "Write a single-sentence weather forecast for Mars, from \\
@@ -122,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="max logit L-inf difference relative to the logit scale "
                              "(default: 1e-3 float64, 1e-2 float32, token match only in 16-bit)")
     verify.add_argument("--json", metavar="FILE", help="the per-step checks as JSON")
+    verify.add_argument("--image", default=None,
+                        help="the context's picture, when the patches were made with one and it "
+                             "is no longer at its recorded path (checked by its SHA-256)")
     bench = sub.add_parser(
         "bench", help="time and memory of a comparison next to plain generation (ratios)",
         description="Alternates plain greedy generate and the comparison K times after a "
@@ -206,8 +211,7 @@ def run_compare(args: argparse.Namespace) -> int:
     from core.prompt import build_prompt
 
     say = _Progress(args.quiet)
-    if args.image is not None:
-        raise UserError("image context is not supported yet: give a text --context")
+    picture = _read_image(args.image)
     settings = _settings(args, keep_patches=args.save_patches is not None or args.verify)
     if args.absorb == "context" and not args.query.strip():
         raise UserError("the query is empty: with absorb 'context' the patched model needs query "
@@ -218,7 +222,8 @@ def run_compare(args: argparse.Namespace) -> int:
     parse_layers(args.layers, None)  # syntax now; the range once the model is known
     check_outputs(args.json, args.csv, args.save_patches, args.report)
     loaded = _load(args, args.dtype, say)
-    prompt = build_prompt(loaded.tokenizer, args.context, args.query, args.chat_template)
+    prompt = build_prompt(loaded.tokenizer, args.context, args.query, args.chat_template,
+                          image=picture, processor=loaded.processor)
     from core.controllability import outcome, plan, record_section, summary_lines
 
     plans = plan(loaded, settings)
@@ -240,7 +245,8 @@ def run_compare(args: argparse.Namespace) -> int:
     record["controllability"] = record_section(plans, steps)
     say(summary_lines(plans, outcome(steps, plans))[-1])
     if args.verify:
-        record["verification"] = _verify_run(loaded, steps, settings, args.dtype, say)
+        record["verification"] = _verify_run(loaded, steps, settings, args.dtype, say,
+                                             prompt.pixels)
     if args.report:
         from app.report import write_report
         from core.records import run_from_record
@@ -257,7 +263,8 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.csv:
         write_text(args.csv, steps_csv(steps))
     if args.save_patches:
-        n = save_patches(args.save_patches, steps, args.model, args.dtype, settings)
+        n = save_patches(args.save_patches, steps, args.model, args.dtype, settings,
+                         image=prompt.image)
         say(f"saved {n} patch tensors to {args.save_patches}")
     if args.json != "-":
         summary = summarize(steps)
@@ -283,6 +290,8 @@ def run_bench(args: argparse.Namespace) -> int:
         raise UserError("--repeats must be at least 1")
     # generate cannot stop at EOS like the comparison would: both always make every token
     settings = _settings(args, stop_at_eos=False)
+    if args.image is not None:
+        raise UserError("bench measures text contexts only: leave out --image")
     check_outputs(args.json)
     loaded = _load(args, args.dtype, say)
     prompt = build_prompt(loaded.tokenizer, args.context, args.query, args.chat_template)
@@ -329,12 +338,21 @@ def _verdict(checks: Sequence[Any], tol: float) -> tuple[bool, int, float]:
     return matches == len(checks) and worst <= tol, matches, worst
 
 
-def _verify_run(loaded: Any, steps: list[Any], settings: Any, dtype: str, say: _Progress
-                ) -> dict[str, Any]:
+def _read_image(path: str | None) -> Any:
+    """The decoded picture and its record, read before the model loads (a bad file fails fast)."""
+    if path is None:
+        return None
+    from core.images import read_image
+
+    return read_image(path)
+
+
+def _verify_run(loaded: Any, steps: list[Any], settings: Any, dtype: str, say: _Progress,
+                pixels: dict[str, Any] | None = None) -> dict[str, Any]:
     from core.verify import patches_of_steps, verify_patches
 
     checks = verify_patches(loaded, patches_of_steps(steps, settings.scope),
-                            progress=lambda d, t: say("verified step", d, t))
+                            progress=lambda d, t: say("verified step", d, t), pixels=pixels)
     tol = _tolerance(dtype)
     ok, matches, worst = _verdict(checks, tol)
     say(f"{'verified' if ok else 'verification FAILED'}: {matches}/{len(checks)} tokens match "
@@ -344,7 +362,7 @@ def _verify_run(loaded: Any, steps: list[Any], settings: Any, dtype: str, say: _
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from core.verify import read_patches, verify_patches
+    from core.verify import image_pixels, read_patches, recorded_image, verify_patches
 
     say = _Progress(False)
     check_outputs(args.json)
@@ -352,8 +370,11 @@ def run_verify(args: argparse.Namespace) -> int:
     dtype = args.dtype or pf.metadata.get("dtype", "float32")
     if args.model is None:
         args.model = pf.metadata.get("model") or "demo"
+    picture = recorded_image(pf, args.image)
     loaded = _load(args, dtype, say)
-    checks = verify_patches(loaded, pf, progress=lambda d, t: say(f"verified step {d}", d, t))
+    pixels = image_pixels(loaded, picture)
+    checks = verify_patches(loaded, pf, progress=lambda d, t: say(f"verified step {d}", d, t),
+                            pixels=pixels)
     tol = _tolerance(dtype, args.tolerance)
     ok, matches, worst = _verdict(checks, tol)
     if args.json:

@@ -16,7 +16,7 @@ from typing import Any
 #: the command-line options the window understands (the rest of `compare` is headless only)
 WINDOW_OPTIONS = ("model", "dtype", "device", "method", "absorb", "scope", "layers",
                   "output_control", "context", "query", "max_new_tokens", "chat_template",
-                  "disable")
+                  "disable", "image")
 
 
 _WINDOWS: list[Any] = []
@@ -64,7 +64,9 @@ def run_app(args: argparse.Namespace) -> int:
     from core.errors import UserError
 
     if getattr(args, "image", None):
-        raise UserError("image context is not supported yet: give a text --context")
+        from core.images import read_image
+
+        read_image(args.image)  # a bad file is one line before the window opens
     screenshot = getattr(args, "screenshot", None)
     if screenshot:
         from app.cli import check_outputs

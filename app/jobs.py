@@ -25,6 +25,7 @@ class ModelReady:
     key: tuple[str, str, str]  # (spec, dtype, device) as the user asked
     info: dict[str, Any]  # LoadedModel.describe(): class, family, dtype, device, layers, versions
     has_chat_template: bool
+    takes_images: bool  # an image+text model with its processor
     output_controls: tuple[str, ...]
     seconds: float
 
@@ -61,7 +62,8 @@ def load_job(spec: str, dtype: str, device: str, trust_remote_code: bool = False
             handle=loaded,
             key=(spec, dtype, device),
             info=loaded.describe(),
-            has_chat_template=has_chat_template(loaded.tokenizer),
+            has_chat_template=has_chat_template(loaded.tokenizer, loaded.processor),
+            takes_images=loaded.processor is not None,
             output_controls=tuple(loaded.adapter.output_controls),
             seconds=time.perf_counter() - start,
         )
@@ -70,24 +72,30 @@ def load_job(spec: str, dtype: str, device: str, trust_remote_code: bool = False
 
 
 def run_job(model: ModelReady, context: str, query: str, chat_template: bool,
-            settings: dict[str, Any]) -> Job:
-    """A comparison: one `RunStarted`, then one `core.compare.StepResult` per token."""
+            settings: dict[str, Any], image: str = "") -> Job:
+    """A comparison: one `RunStarted`, then one `core.compare.StepResult` per token.
+    ``image``: a picture's path, absorbed with the context (image+text models)."""
 
     def job(should_stop: StopFn, progress: ProgressFn) -> Iterator[Any]:
+        from dataclasses import replace
+
         from core.compare import Settings, iter_token_patches, parse_layers, resolve_control
         from core.controllability import plan
+        from core.images import read_image
         from core.prompt import build_prompt, check_prompt
 
         loaded = model.handle
         s = Settings.from_dict(settings)
         s.validate()
-        prompt = build_prompt(loaded.tokenizer, context, query, chat_template)
+        picture = read_image(image) if image else None
+        prompt = build_prompt(loaded.tokenizer, context, query, chat_template, image=picture,
+                              processor=loaded.processor)
         check_prompt(prompt, s.absorb)
         n = int(model.info["num_layers"])
         yield RunStarted(
             settings={**s.to_dict(), "context": context, "query": query,
-                      "chat_template": chat_template},
-            prompt=prompt,
+                      "chat_template": chat_template, "image": image or None},
+            prompt=replace(prompt, pixels=None),  # the window gets no tensors
             layers=tuple(parse_layers(s.layers, n)),
             num_layers=n,
             control=resolve_control(loaded, s),

@@ -116,6 +116,7 @@ class MainWindow(QMainWindow):
         self.input_panel.run_requested.connect(self.start_run)
         self.input_panel.cancel_requested.connect(self.cancel)
         self.input_panel.preset_chosen.connect(self._on_preset)
+        self.input_panel.problem.connect(self.show_error)
         self.history_panel.chosen.connect(self.show_run)
         self.plots.overlay.toggled.connect(lambda _: self._update_overlays())
         self.state.subscribe(self._on_state)
@@ -190,6 +191,8 @@ class MainWindow(QMainWindow):
         self._action(file, "&Open model folder…", QKeySequence.StandardKey.Open,
                      self._on_open_folder)
         self._action(file, "Open &session…", "Ctrl+Shift+O", lambda: self.open_session())
+        self._action(file, "Add &image to the context…", "Ctrl+I",
+                     self.input_panel.choose_image)
         self.save_action = self._action(file, "&Save session…", QKeySequence.StandardKey.Save,
                                         lambda: self.save_session())
         self._action(file, "Save run as &JSON…", "Ctrl+Shift+S", lambda: self.export("json"))
@@ -237,7 +240,7 @@ class MainWindow(QMainWindow):
         inputs = self.input_panel.values()
         settings = {"max_new_tokens": inputs["max_new_tokens"], **self.model_panel.options()}
         job = run_job(self.model, inputs["context"], inputs["query"], inputs["chat_template"],
-                      settings)
+                      settings, image=inputs["image"])
         self._start(job, "run", "Running…")
 
     def cancel(self) -> None:
@@ -282,6 +285,7 @@ class MainWindow(QMainWindow):
             f"{info['class']} ({info['family']}), {info['num_layers']} layers, "
             f"{info['dtype']} on {info['device']}, in {ready.seconds:.1f} s")
         self.input_panel.set_chat_template_available(ready.has_chat_template)
+        self.input_panel.set_takes_images(ready.takes_images)
         self.device_label.setText(f"{info['device']} · {info['dtype']}")
         self.model_ready.emit()
 
@@ -374,7 +378,7 @@ class MainWindow(QMainWindow):
         from core.export import run_record
 
         started = self.state.started
-        extras = ("context", "query", "chat_template")
+        extras = ("context", "query", "chat_template", "image")
         known = {k: v for k, v in started.settings.items() if k not in extras}
         extra = {k: started.settings[k] for k in extras if k in started.settings}
         extra.update(model=started.model.get("id"), dtype=started.model.get("dtype"),

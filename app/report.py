@@ -167,8 +167,45 @@ def _fmt(x: Any) -> str:
     return f"{x:.3g}" if isinstance(x, float) else str(x)
 
 
+THUMBNAIL = "context-image"
+
+
+def thumbnail(run: Run, size: int = 256) -> bytes | None:
+    """A PNG thumbnail of the run's context image, when the file is still there unchanged."""
+    import hashlib
+    import io
+
+    info = run.record.get("prompt", {}).get("image")
+    if not info or not Path(info["path"]).is_file():
+        return None
+    data = Path(info["path"]).read_bytes()
+    if hashlib.sha256(data).hexdigest() != info.get("sha256"):
+        return None
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        im.seek(0)
+        small = im.convert("RGB")
+        small.thumbnail((size, size))
+        out = io.BytesIO()
+        small.save(out, "PNG")
+    return out.getvalue()
+
+
+def _image_html(run: Run, images: dict[str, str]) -> str:
+    info = run.record.get("prompt", {}).get("image")
+    if not info:
+        return ""
+    caption = (f"Context image: {Path(info['path']).name}, {info.get('width')}x{info.get('height')} "
+               f"{info.get('format')}, sha256 {str(info.get('sha256'))[:16]}…")
+    if THUMBNAIL not in images:
+        return f"<p>{_esc(caption)} (the file is no longer at {_esc(info['path'])})</p>"
+    return f"<p><img src=\"{_esc(images[THUMBNAIL])}\"><br>{_esc(caption)}</p>"
+
+
 def report_html(run: Run, images: dict[str, str]) -> str:
-    """The report's HTML; ``images`` maps each plot name to its ``src`` (data URI or file)."""
+    """The report's HTML; ``images`` maps each plot name (and the context image's thumbnail,
+    `THUMBNAIL`) to its ``src`` (data URI or file)."""
     summary = run.record.get("summary", {})
     p, c = summary.get("patched", {}), summary.get("control", {})
     n = summary.get("tokens", len(run.steps))
@@ -213,6 +250,7 @@ patches. Made by ctxpatch {_esc(__version__)} on
 {_table(settings)}
 <h2>Prompt</h2>
 {_table(prompt_rows, ("segment", "text", "tokens"))}
+{_image_html(run, images)}
 <h2>Generations ({n} tokens; mismatches marked)</h2>
 <p><b>With context</b> (original model)</p><div class="gen">{_tokens(run, "baseline")}</div>
 <p><b>Without context, patched</b></p><div class="gen">{_tokens(run, "patched")}</div>
@@ -248,34 +286,43 @@ def write_report(run: Run, path: str | Path, plot_dir: str | Path | None = None)
                 target = folder / f"{name.replace('/', '-')}.{ext}"
                 atomic_write(target, lambda tmp, data=data: Path(tmp).write_bytes(data))
                 written.append(target)
+    thumb = thumbnail(run)
     if path.suffix.lower() == ".pdf":
-        atomic_write(path, lambda tmp: _write_pdf(run, images, tmp))
+        atomic_write(path, lambda tmp: _write_pdf(run, images, tmp, thumb))
     else:
         uris = {name: _data_uri(png) for name, (png, _) in images.items()}
+        if thumb is not None:
+            uris[THUMBNAIL] = _data_uri(thumb)
         write_text(path, report_html(run, uris))
     return written
 
 
-def report_document(run: Run, images: dict[str, tuple[bytes, bytes]]) -> Any:
-    """The report as a QTextDocument, the plots as its image resources (for PDF and pages)."""
+def report_document(run: Run, images: dict[str, tuple[bytes, bytes]],
+                    thumb: bytes | None = None) -> Any:
+    """The report as a QTextDocument, the plots (and the context image's thumbnail) as its
+    image resources (for PDF and pages)."""
     from PySide6.QtCore import QUrl
     from PySide6.QtGui import QImage, QTextDocument
 
     ensure_app()
     doc = QTextDocument()
-    for name, (png, _) in images.items():
+    pngs = {name: png for name, (png, _) in images.items()}
+    if thumb is not None:
+        pngs[THUMBNAIL] = thumb
+    for name, png in pngs.items():
         doc.addResource(QTextDocument.ResourceType.ImageResource, QUrl(f"{name}.png"),
                         QImage.fromData(png, "PNG"))
-    doc.setHtml(report_html(run, {name: f"{name}.png" for name in images}))
+    doc.setHtml(report_html(run, {name: f"{name}.png" for name in pngs}))
     return doc
 
 
-def _write_pdf(run: Run, images: dict[str, tuple[bytes, bytes]], path: str) -> None:
+def _write_pdf(run: Run, images: dict[str, tuple[bytes, bytes]], path: str,
+               thumb: bytes | None = None) -> None:
     """Qt's own PDF writer renders the same HTML (QTextDocument), plots as image resources."""
     from PySide6.QtCore import QMarginsF
     from PySide6.QtGui import QPageLayout, QPageSize, QPdfWriter
 
-    doc = report_document(run, images)
+    doc = report_document(run, images, thumb)
     writer = QPdfWriter(path)
     writer.setPageLayout(QPageLayout(QPageSize(QPageSize.PageSizeId.A4),
                                      QPageLayout.Orientation.Portrait, QMarginsF(15, 15, 15, 15),

@@ -72,7 +72,7 @@ def read_image(path: str | Path) -> tuple[Any, ImageInfo]:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(f"cannot read {path} as an image ({reason}): give a PNG, JPEG, WebP or "
                         "GIF file") from None
-    info = ImageInfo(str(p), hashlib.sha256(data).hexdigest(), rgb.width, rgb.height, fmt)
+    info = ImageInfo(str(p.resolve()), hashlib.sha256(data).hexdigest(), rgb.width, rgb.height, fmt)
     return rgb, info
 
 

@@ -88,21 +88,28 @@ def _adds_bos(tokenizer: Any) -> bool:
     return bool(ids) and ids[0] == bos
 
 
-def has_chat_template(tokenizer: Any) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
+def has_chat_template(tokenizer: Any, processor: Any = None) -> bool:
+    """Whether the tokenizer, or an image+text model's processor, has a chat template."""
+    return bool(getattr(tokenizer, "chat_template", None)
+                or getattr(processor, "chat_template", None))
 
 
 def _render_chat(tokenizer: Any, processor: Any, context: str, image: bool) -> str:
+    """One user turn (the image first, then the text) with the generation prompt, through the
+    processor's template when there is an image or the tokenizer has none."""
     text = (_CTX if context else "") + _QRY
-    if not image:
-        messages: list[dict[str, Any]] = [{"role": "user", "content": text}]
-        owner = tokenizer
-    else:
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
-        owner = processor if getattr(processor, "chat_template", None) else tokenizer
-    if not getattr(owner, "chat_template", None):
+    if not has_chat_template(tokenizer, processor):
         raise UserError("this tokenizer has no chat template: run without --chat-template")
-    return str(owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    if getattr(processor, "chat_template", None) and (image or not has_chat_template(tokenizer)):
+        owner, content = processor, [{"type": "text", "text": text}]
+        if image:
+            content.insert(0, {"type": "image"})
+    else:
+        owner, content = tokenizer, text
+        if image:  # the tokenizer's own template, given multimodal content
+            content = [{"type": "image"}, {"type": "text", "text": text}]
+    return str(owner.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True))
 
 
 def build_prompt(tokenizer: Any, context: str, query: str, chat_template: bool = False,

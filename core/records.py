@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.errors import UserError
+from core.images import ImageInfo
 from core.prompt import Prompt, Segment
 
 SUPPORTED_SCHEMAS = (1,)
@@ -86,7 +87,9 @@ def run_from_record(record: Any, source: str = "the record") -> Run:
         segments = tuple(Segment(str(s["kind"]), str(s["text"]), tuple(int(i) for i in s["ids"]))
                          for s in record["prompt"]["segments"])
         bos = record["prompt"].get("bos_id")
-        prompt = Prompt(segments, bos_id=None if bos is None else int(bos))
+        image = record["prompt"].get("image")
+        prompt = Prompt(segments, bos_id=None if bos is None else int(bos),
+                        image=None if image is None else ImageInfo.from_dict(image))
         full = list(prompt.full_ids)
         steps = []
         for d in record["steps"]:

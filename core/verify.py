@@ -121,27 +121,38 @@ class StepCheck:
     scale: float  # max |full-context logits|
 
 
-def image_pixels(loaded: LoadedModel, pf: PatchFile, path: str | None = None
-                 ) -> dict[str, Any] | None:
-    """The pixel inputs the full-context runs of a patches file need: its image (recorded in the
-    metadata, or ``path`` instead), checked against the recorded hash; None without an image."""
-    from core.images import ImageInfo, encode_image, read_image, text_only
+def recorded_image(pf: PatchFile, path: str | None = None) -> tuple[Any, Any] | None:
+    """The picture a patches file was made with (its recorded path, or ``path`` instead), read
+    and checked against the recorded hash; None when it was made without one. Needs no model,
+    so a missing picture fails before the model loads."""
+    from core.images import ImageInfo, read_image
 
     recorded = json.loads(pf.metadata["image"]) if pf.metadata.get("image") else None
     if recorded is None and path is None:
         return None
-    if loaded.processor is None:
-        raise text_only(f"{loaded.spec}")
     info = ImageInfo.from_dict(recorded) if recorded is not None else None
-    where = path or (info.path if info is not None else "")
-    if path is None and info is not None and not Path(info.path).is_file():
-        raise UserError(f"these patches were made with the image {info.path}, which is gone: "
-                        "pass --image FILE with the same picture")
-    image, found = read_image(where)
+    if path is None:
+        assert info is not None
+        if not Path(info.path).is_file():
+            raise UserError(f"these patches were made with the image {info.path}, which is gone: "
+                            "pass --image FILE with the same picture")
+        path = info.path
+    image, found = read_image(path)
     if info is not None and found.sha256 != info.sha256:
-        raise UserError(f"{where} is not the image these patches were made with (sha256 "
+        raise UserError(f"{path} is not the image these patches were made with (sha256 "
                         f"{found.sha256[:12]}..., recorded {info.sha256[:12]}...)")
-    return encode_image(loaded.processor, image)[1]
+    return image, found
+
+
+def image_pixels(loaded: LoadedModel, picture: tuple[Any, Any] | None) -> dict[str, Any] | None:
+    """The processor's pixel inputs for a `recorded_image` (None for None)."""
+    from core.images import encode_image, text_only
+
+    if picture is None:
+        return None
+    if loaded.processor is None:
+        raise text_only(loaded.spec)
+    return encode_image(loaded.processor, picture[0])[1]
 
 
 def verify_patches(

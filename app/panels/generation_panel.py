@@ -92,18 +92,22 @@ class QtGenerationPanel(QWidget):
         started = self.state.started
         if started is None:
             return "", ""
-        segments = started.prompt.segments
-        full = "".join(seg.text for seg in segments)
-        if started.settings.get("absorb") == "all":
-            reduced = None
-        else:
-            reduced = "".join(seg.text for seg in segments if seg.kind != "context")
+        from core.prompt import ABSORBED
 
-        def grey(text: str) -> str:
+        segments = started.prompt.segments
+        image = started.prompt.image
+        name = image.path.replace("\\", "/").rsplit("/", 1)[-1] if image is not None else ""
+
+        def grey(seg_kind: str, text: str) -> str:
+            if seg_kind == "image":  # a picture's soft tokens: named, not spelled out
+                return f'<span style="color:gray"><i>[image: {html.escape(name)}]</i></span>'
             return f'<span style="color:gray">{token_html(text)}</span>' if text else ""
 
-        note = '<span style="color:gray"><i>[the whole prompt is in the patches]</i> </span>'
-        return grey(full), note if reduced is None else grey(reduced)
+        full = "".join(grey(seg.kind, seg.text) for seg in segments)
+        if started.settings.get("absorb") == "all":
+            return full, '<span style="color:gray"><i>[the whole prompt is in the patches]</i> </span>'
+        return full, "".join(grey(seg.kind, seg.text) for seg in segments
+                             if seg.kind not in ABSORBED)
 
     def _spans(self, texts: list[str], prefix: str) -> str:
         dark = int(is_dark(self.palette()))

@@ -1,13 +1,20 @@
-"""The input panel: context, query, presets, how many tokens, and the Run and Cancel buttons."""
+"""The input panel: context, an image (button or drag-and-drop), query, presets, how many
+tokens, and the Run and Cancel buttons.
+
+The panel only shows a picture (Qt decodes a thumbnail); the run reads and checks it in core."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from PySide6.QtCore import Signal
+from pathlib import Path
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QDragEnterEvent, QDropEvent, QImageReader, QPixmap
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
+    QFileDialog,
     QFormLayout,
     QGroupBox,
     QHBoxLayout,
@@ -15,6 +22,7 @@ from PySide6.QtWidgets import (
     QPlainTextEdit,
     QPushButton,
     QSpinBox,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
@@ -26,6 +34,10 @@ class QtInputPanel(QGroupBox):
     run_requested = Signal()
     cancel_requested = Signal()
     preset_chosen = Signal(dict)
+    problem = Signal(str)  # a file dropped or chosen that cannot be used as an image
+
+    IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.webp *.gif)"
+    THUMB = 56
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__("Input", parent)
@@ -36,6 +48,21 @@ class QtInputPanel(QGroupBox):
         self.context = QPlainTextEdit()
         self.context.setPlaceholderText("The context to absorb into the weights "
                                         "(empty with absorb 'all': the whole prompt is absorbed)")
+        self.image_path = ""
+        self.takes_images = True  # until a text-only model is loaded
+        self.image_thumb = QLabel()
+        self.image_thumb.setFixedSize(self.THUMB, self.THUMB)
+        self.image_thumb.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.image_thumb.setFrameShape(QLabel.Shape.StyledPanel)
+        self.image_label = QLabel()
+        self.image_label.setWordWrap(True)
+        self.image_button = QPushButton("Image…")
+        self.image_button.setToolTip("Add a picture to the context (image+text models); or drop "
+                                     "an image file on this panel (Ctrl+I)")
+        self.image_clear = QToolButton()
+        self.image_clear.setText("✕")
+        self.image_clear.setToolTip("Remove the image from the context")
+        self.setAcceptDrops(True)
         self.query = QPlainTextEdit()
         self.query.setPlaceholderText("The query the patched model sees")
         self.query.setMaximumHeight(90)
@@ -55,6 +82,12 @@ class QtInputPanel(QGroupBox):
         layout.addWidget(self.preset)
         layout.addWidget(QLabel("Context"))
         layout.addWidget(self.context, 2)
+        image_row = QHBoxLayout()
+        image_row.addWidget(self.image_thumb)
+        image_row.addWidget(self.image_label, 1)
+        image_row.addWidget(self.image_button)
+        image_row.addWidget(self.image_clear)
+        layout.addLayout(image_row)
         layout.addWidget(QLabel("Query"))
         layout.addWidget(self.query, 1)
         form = QFormLayout()
@@ -68,6 +101,61 @@ class QtInputPanel(QGroupBox):
         self.preset.activated.connect(self._on_preset)
         self.run.clicked.connect(self.run_requested)
         self.cancel.clicked.connect(self.cancel_requested)
+        self.image_button.clicked.connect(self.choose_image)
+        self.image_clear.clicked.connect(lambda: self.set_image(""))
+        self.set_image("")
+
+    # -- the image ------------------------------------------------------------------------------
+    def choose_image(self) -> None:
+        start = str(Path(self.image_path).parent) if self.image_path else ""
+        path, _ = QFileDialog.getOpenFileName(self, "Context image", start, self.IMAGE_FILTER)
+        if path:
+            self.set_image(path)
+
+    def set_takes_images(self, takes: bool) -> None:
+        """Say whether the loaded model can read the image (the choice is kept either way)."""
+        self.takes_images = takes
+        if not self.image_path:
+            self.set_image("")
+
+    def set_image(self, path: str) -> bool:
+        """Show ``path`` as the context image ("" removes it). A file Qt cannot read as a picture
+        is refused with `problem` and the current image is kept; returns whether it was set."""
+        if path:
+            reader = QImageReader(path)
+            reader.setAutoTransform(True)
+            image = reader.read()
+            if image.isNull():
+                self.problem.emit(f"cannot use {path} as an image ({reader.errorString()}): "
+                                  "give a PNG, JPEG, WebP or GIF file")
+                return False
+            pixmap = QPixmap.fromImage(image).scaled(
+                self.THUMB, self.THUMB, Qt.AspectRatioMode.KeepAspectRatio,
+                Qt.TransformationMode.SmoothTransformation)
+            self.image_thumb.setPixmap(pixmap)
+            self.image_label.setText(f"{Path(path).name}\n{image.width()}×{image.height()}")
+            self.image_label.setToolTip(path)
+        else:
+            self.image_thumb.clear()
+            self.image_thumb.setText("no\nimage")
+            self.image_label.setText(
+                "Drop an image here" if self.takes_images else
+                "Drop an image here (needs an image+text model; this one reads text only)")
+            self.image_label.setToolTip("")
+        self.image_path = path
+        self.image_clear.setEnabled(bool(path))
+        return True
+
+    def dragEnterEvent(self, event: QDragEnterEvent) -> None:  # noqa: N802 - Qt's name
+        urls = event.mimeData().urls()
+        if urls and urls[0].isLocalFile():
+            event.acceptProposedAction()
+
+    def dropEvent(self, event: QDropEvent) -> None:  # noqa: N802 - Qt's name
+        urls = event.mimeData().urls()
+        if urls and urls[0].isLocalFile():
+            self.set_image(urls[0].toLocalFile())
+            event.acceptProposedAction()
 
     def _on_preset(self, index: int) -> None:
         if index <= 0:
@@ -75,6 +163,9 @@ class QtInputPanel(QGroupBox):
         preset = self.presets[index - 1]
         self.context.setPlainText(preset.get("context", ""))
         self.query.setPlainText(preset.get("query", ""))
+        self.set_image(resources.sample_image_path() if preset.get("image") == "sample" else "")
+        if "chat_template" in preset and self.chat_template.isEnabled():
+            self.chat_template.setChecked(bool(preset["chat_template"]))
         self.preset.setCurrentIndex(0)
         self.preset_chosen.emit(preset)
 
@@ -93,6 +184,7 @@ class QtInputPanel(QGroupBox):
             "query": self.query.toPlainText(),
             "max_new_tokens": self.max_tokens.value(),
             "chat_template": self.chat_template.isChecked() and self.chat_template.isEnabled(),
+            "image": self.image_path,
         }
 
     def save(self) -> dict[str, Any]:
@@ -106,3 +198,7 @@ class QtInputPanel(QGroupBox):
         if data.get("max_new_tokens"):
             self.max_tokens.setValue(int(data["max_new_tokens"]))
         self.chat_template.setChecked(bool(data.get("chat_template")))
+        if "image" in data:
+            image = str(data["image"] or "")
+            if not image or Path(image).is_file():
+                self.set_image(image)

@@ -19,7 +19,7 @@ from core.errors import UserError
 from core.export import save_patches
 from core.images import read_image
 from core.prompt import build_prompt, check_prompt
-from core.verify import image_pixels, read_patches, verify_patches
+from core.verify import image_pixels, read_patches, recorded_image, verify_patches
 from resources import sample_image_path
 
 QUERY = "Hello world!"
@@ -114,8 +114,8 @@ def test_saved_patches_verify_with_the_image(loaded, picture, scope, tmp_path: P
     save_patches(path, steps, "tiny", "float64", settings, image=prompt.image)
     pf = read_patches(path)
     with pytest.raises(UserError, match="is not the image"):
-        image_pixels(loaded, pf, str(tmp_path / "other.png"))
-    pixels = image_pixels(loaded, pf)  # found again through the recorded path and hash
+        recorded_image(pf, str(tmp_path / "other.png"))
+    pixels = image_pixels(loaded, recorded_image(pf))  # found again by recorded path and hash
     checks = verify_patches(loaded, pf, pixels=pixels)
     assert len(checks) == TOKENS
     assert all(c.match and c.linf <= EXACT * c.scale for c in checks)
