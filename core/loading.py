@@ -203,6 +203,10 @@ def load_config(source: str, local_only: bool, trust_remote_code: bool = False) 
                 source, local_files_only=local, trust_remote_code=trust_remote_code
             )
         except ValueError as exc:  # e.g. a model_type transformers does not know
+            if "custom code" in str(exc) or "trust_remote_code" in str(exc):
+                raise UserError(
+                    f"{source} ships its own model code, which runs only if you trust it: pass "
+                    "--trust-remote-code (in the window: 'Trust this model's own code')") from None
             raise UserError(f"cannot read the config of {source}: {exc}".splitlines()[0]) from None
         except (OSError, KeyError) as exc:
             last = exc

@@ -39,6 +39,10 @@ def adapter_for_config(config: Any) -> Adapter:
     model_type = getattr(config, "model_type", None)
     if model_type in REGISTRY:
         return REGISTRY[model_type]
+    for cls in type(config).__mro__[1:]:  # model code shipped with a checkpoint (remote code)
+        inherited = getattr(cls, "model_type", None)  # that extends one of our families
+        if inherited in REGISTRY:
+            return REGISTRY[inherited]
     text = getattr(config, "text_config", None)
     if getattr(config, "vision_config", None) is not None and text is not None:
         return adapter_for_config(text)  # the language model of an image+text model
