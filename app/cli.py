@@ -59,6 +59,13 @@ def _model_options(p: argparse.ArgumentParser, dtype_default: str | None = "floa
     p.add_argument("--allow-pickle", action="store_true",
                    help="accept pickled weights (pytorch_model.bin) when there are no safetensors; "
                         "loaded weights-only (only for models you trust)")
+    p.add_argument("--device-map", default=None, choices=["auto", "balanced", "sequential"],
+                   help="place the layers with accelerate across the GPUs, the CPU and disk "
+                        "(models larger than one device); --device is then not used")
+    p.add_argument("--max-memory", nargs="+", metavar="DEVICE=SIZE", default=None,
+                   help="memory per device for --device-map, e.g. 0=20GiB cpu=32GiB")
+    p.add_argument("--offload-folder", metavar="DIR", default=None,
+                   help="where --device-map puts the layers that fit nowhere else (disk offload)")
 
 
 def _compare_options(p: argparse.ArgumentParser) -> None:
@@ -185,7 +192,19 @@ def _load(args: argparse.Namespace, dtype: str, say: _Progress) -> Any:
     hf_logging.disable_progress_bar()  # our own progress lines stand in for tqdm's bars
 
     return load_model(args.model, dtype=dtype, device=args.device, progress=say,
-                      trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle)
+                      trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle,
+                      placement=placement(args))
+
+
+def placement(args: argparse.Namespace) -> Any:
+    """The placement options, checked (before anything loads)."""
+    from core.placement import Placement, parse_max_memory
+
+    chosen = Placement(getattr(args, "device_map", None),
+                       parse_max_memory(getattr(args, "max_memory", None)) or {},
+                       getattr(args, "offload_folder", None))
+    chosen.validate()
+    return chosen
 
 
 def _settings(args: argparse.Namespace, **overrides: Any) -> Any:

@@ -33,6 +33,7 @@ from core.engine import (
 )
 from core.errors import Cancelled, UserError
 from core.loading import LoadedModel
+from core.offload import resident
 from core.patches import Delta, Rank1
 from core.prompt import ABSORB_MODES, Prompt, check_prompt, reduced_sequence
 
@@ -229,7 +230,7 @@ class _Norms:
     """Parameter norms, computed once per run, for relative patch norms."""
 
     def __init__(self, model: torch.nn.Module, norm_offset: float, scale_names: set[str]) -> None:
-        self.params = dict(model.named_parameters())
+        self.modules = dict(model.named_modules())
         self.offset, self.scale_names = norm_offset, scale_names
         self.cache: dict[str, float] = {}
 
@@ -237,7 +238,8 @@ class _Norms:
         """The norm of a parameter, or of slice ``e`` for a name ``param[e]`` (MoE experts)."""
         if name not in self.cache:
             base, _, index = name.partition("[")
-            p = self.params[base].detach()
+            owner, _, leaf = base.rpartition(".")
+            p = resident(self.modules[owner], leaf).detach()
             p = (p[int(index.rstrip("]"))] if index else p).double()
             if name in self.scale_names:
                 p = p + self.offset  # relative to the effective scale m = offset + weight

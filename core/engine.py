@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from core.adapters.base import LayerSites
 from core.errors import Cancelled
 from core.images import vision_kwargs
+from core.offload import is_offloaded, plain_call, resident
 from core.patches import (
     Delta,
     Patch,
@@ -314,7 +315,6 @@ class _LayerPatcher:
         self.result = LayerPatch(layer=index)
         self.v_parts: list[Tensor] = []
         self.g: Tensor | None = None  # stable: target branch output
-        self.recomputing = False
 
     def _name(self, module: nn.Module, param: str) -> str:
         return f"{self.names[id(module)]}.{param}"
@@ -398,7 +398,7 @@ class _LayerPatcher:
     def on_router(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         """Rank-1 patch of the router so the reduced input routes like the full context: the
         same experts with the same weights (the router recomputes with the patched matrix)."""
-        if self.recomputing or "input" in self.spec.disabled:
+        if "input" in self.spec.disabled:
             return None
         x, logits = args[0], _first_output(output)
         r = rank1_input_patch(self.t.inputs["router"], _q(logits, self.dtype), _q(x, self.dtype))
@@ -407,12 +407,9 @@ class _LayerPatcher:
             return None
         r = self._rank1(r)
         self.result.patches[self._name(module, "weight")] = r
-        weight = (module.weight.detach().to(r.u.dtype) + torch.outer(r.u, r.a)).to(module.weight.dtype)
-        self.recomputing = True
-        try:
-            patched = torch.func.functional_call(module, {"weight": weight}, (x,))
-        finally:
-            self.recomputing = False
+        w = resident(module, "weight").detach()
+        weight = (w.to(r.u.dtype) + torch.outer(r.u, r.a)).to(w.dtype)
+        patched = plain_call(module, {"weight": weight}, x)
         return _last_rows(output, patched, self.spec.last_only)
 
     def on_experts(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
@@ -420,8 +417,6 @@ class _LayerPatcher:
         gives the full-context inner activation, its ``down_proj`` slice to add ``dv / S``
         (``S`` = the active routing weights' sum), so ``sum_e g_e dW_e h_e = dv``. The slices
         are written in place for one recomputation of the experts and restored at once."""
-        if self.recomputing:
-            return None
         x, index, weights = args[0], args[1], args[2]
         z = _q(x, self.dtype)
         active = [int(e) for e in index.reshape(-1, index.shape[-1])[-1]]
@@ -431,9 +426,10 @@ class _LayerPatcher:
         if use_output and float(s_sum) == 0.0:
             self.result.zero_s = True
         dv = self._shift() / s_sum if use_output and not self.result.zero_s else None
-        pairs: list[tuple[Tensor, Tensor]] = []
+        pairs: list[tuple[str, int, Tensor]] = []
+        gate_up_all = resident(module, "gate_up_proj")
         for e in dict.fromkeys(active):
-            gate_up = module.gate_up_proj[e].detach().to(self.dtype)  # (2f, d)
+            gate_up = gate_up_all[e].detach().to(self.dtype)  # (2f, d)
             y, y_target = gate_up @ z, gate_up @ self.t.z if self.t.z is not None else None
             if use_input and y_target is not None:
                 r_in = self._expert_patch(module, "gate_up_proj", e, pairs,
@@ -449,16 +445,24 @@ class _LayerPatcher:
         if not pairs:
             return None
         rows = slice(-1, None) if self.spec.last_only else slice(None)
-        self.recomputing = True
-        try:
-            with written_(pairs):
-                patched = module(x[rows], index[rows], weights[rows])
-        finally:
-            self.recomputing = False
+        inputs = (x[rows], index[rows], weights[rows])
+        if any(is_offloaded(module, name) for name, _, _ in pairs):
+            # offloaded experts: patched copies of the stacked tensors for this one call
+            params = {}
+            for name in dict.fromkeys(n for n, _, _ in pairs):
+                full = resident(module, name).detach().clone()
+                for n, e, d in pairs:
+                    if n == name:
+                        full[e] = (full[e].to(d.dtype) + d).to(full.dtype)
+                params[name] = full
+            patched = plain_call(module, params, *inputs)
+        else:  # resident: the slices are written in place and restored at once
+            with written_([(getattr(module, n)[e], d) for n, e, d in pairs]):
+                patched = plain_call(module, {}, *inputs)
         return _last_rows(output, patched, self.spec.last_only)
 
     def _expert_patch(self, module: nn.Module, param: str, e: int,
-                      pairs: list[tuple[Tensor, Tensor]], r: Rank1 | None, zero_flag: str
+                      pairs: list[tuple[str, int, Tensor]], r: Rank1 | None, zero_flag: str
                       ) -> Rank1 | None:
         """Keep expert ``e``'s rank-1 patch of ``param`` (or note the failed condition)."""
         if r is None:
@@ -466,16 +470,16 @@ class _LayerPatcher:
             return None
         r = self._rank1(r)
         self.result.patches[f"{self._name(module, param)}[{e}]"] = r
-        pairs.append((getattr(module, param)[e], torch.outer(r.u, r.a)))
+        pairs.append((param, e, torch.outer(r.u, r.a)))
         return r
 
     def _scale(self) -> Tensor:
         norm = self.s.out_norm
         assert norm is not None
-        return self.spec.norm_offset + norm.weight.detach().to(self.dtype)
+        return self.spec.norm_offset + resident(norm, "weight").detach().to(self.dtype)
 
     def on_out_norm(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        if self.recomputing or "output" in self.spec.disabled:
+        if "output" in self.spec.disabled:
             return None
         h = args[0]
         n = rms_normalize(_q(h, self.dtype), _norm_eps(module))
@@ -488,12 +492,8 @@ class _LayerPatcher:
         dm = patch.delta
         self.result.div_by_one += zeros
         self.result.patches[self._name(module, "weight")] = patch
-        weight = module.weight.detach().to(self.dtype) + dm
-        self.recomputing = True
-        try:
-            patched = torch.func.functional_call(module, {"weight": weight}, (h,))
-        finally:
-            self.recomputing = False
+        weight = resident(module, "weight").detach().to(self.dtype) + dm
+        patched = plain_call(module, {"weight": weight}, h)
         y = _first_output(output)
         patched = patched.to(y.dtype)
         if self.spec.last_only and y.shape[1] > 1:

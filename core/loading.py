@@ -20,6 +20,8 @@ import torch
 from core.adapters import Adapter, adapter_for_config
 from core.errors import Cancelled, UserError
 from core.footprint import DEMOS, demo_folder
+from core.offload import execution_device
+from core.placement import Placement, no_fit
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -57,9 +59,20 @@ class LoadedModel:
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
             "num_layers": len(self.adapter.layers(self.model)),
+            **({"placement": _placement_counts(self.model)}
+               if getattr(self.model, "hf_device_map", None) else {}),
             "transformers": transformers.__version__,
             "torch": torch.__version__,
         }
+
+
+def _placement_counts(model: Any) -> str:
+    """"cpu: 9, disk: 9" — how many of the device map's modules live where."""
+    counts: dict[str, int] = {}
+    for place in model.hf_device_map.values():
+        key = f"cuda:{place}" if isinstance(place, int) else str(place)
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{k}: {v}" for k, v in counts.items())
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -225,6 +238,7 @@ def load_model(
     should_stop: Callable[[], bool] | None = None,
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
+    placement: Placement | None = None,
 ) -> LoadedModel:
     """Load a model for comparison runs.
 
@@ -238,9 +252,18 @@ def load_model(
         allow_pickle: accept pickled weights (``pytorch_model.bin``) when a model has no
             safetensors; transformers then loads them with ``torch.load(weights_only=True)``.
             Off by default: a pickle can run code.
+        placement: accelerate's device map, memory limits and offload folder (``device``
+            is then decided by the map: where the embedding runs).
     """
     torch_dtype = resolve_dtype(dtype)
+    placement = placement or Placement()
+    placement.validate()
     torch_device = resolve_device(device)
+    if placement.device_map is not None:
+        from core.footprint import estimate
+
+        found = estimate(spec, dtype)
+        placement.check_disk(found.bytes if found is not None else None)
     source, local_only = _resolve_source(spec, progress, should_stop)
     config = load_config(source, local_only, trust_remote_code)
     adapter = adapter_for_config(config)
@@ -262,6 +285,7 @@ def load_model(
                             "if you trust this model")
     if not folder.is_dir() and not allow_pickle:
         kwargs["use_safetensors"] = True
+    kwargs.update(placement.kwargs())
     if torch_dtype == torch.float64 and "experts" in adapter.output_controls:
         kwargs["experts_implementation"] = "eager"  # the grouped-matmul kernel refuses float64
     try:
@@ -281,8 +305,12 @@ def load_model(
                             "download or save the model again") from None
         if not isinstance(exc, OSError | ValueError):
             raise
-        raise UserError(f"cannot load {spec}: {first}") from None
-    model.to(torch_device).eval()
+        raise no_fit(exc) or UserError(f"cannot load {spec}: {first}") from None
+    if placement.device_map is None:
+        model.to(torch_device)
+    else:
+        torch_device = execution_device(model)
+    model.eval()
     if progress:
         progress(f"Loaded {spec}", 1, 1)
     return LoadedModel(model, tokenizer, adapter, spec, source, torch_dtype, torch_device, processor)

@@ -97,6 +97,9 @@ def materialized(model: torch.nn.Module, patches: dict[tuple[str, int | None], d
         if name not in params:
             raise UserError(f"the patches name parameter {name!r}, which this model lacks")
         p = params[name]
+        if p.device.type == "meta":
+            raise UserError(f"verify writes the patches into the weights, and {name} is offloaded "
+                            "(not in memory): run verify without --device-map")
         target = p if index is None else p[index]
         ct = torch.float64 if p.dtype == torch.float64 else torch.float32
         if "delta" in parts:
