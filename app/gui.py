@@ -16,7 +16,7 @@ from typing import Any
 #: the command-line options the window understands (the rest of `compare` is headless only)
 WINDOW_OPTIONS = ("model", "dtype", "device", "method", "absorb", "scope", "layers",
                   "output_control", "context", "query", "max_new_tokens", "chat_template",
-                  "disable", "image")
+                  "disable", "image", "device_map", "max_memory", "offload_folder")
 
 
 _WINDOWS: list[Any] = []

@@ -22,7 +22,7 @@ class ModelReady:
     """A loaded model. ``handle`` is opaque to the GUI: it is only passed back to `run_job`."""
 
     handle: Any
-    key: tuple[str, str, str]  # (spec, dtype, device) as the user asked
+    key: tuple[str, str, str, tuple[str, str, str]]  # (spec, dtype, device, placement) as asked
     info: dict[str, Any]  # LoadedModel.describe(): class, family, dtype, device, layers, versions
     has_chat_template: bool
     takes_images: bool  # an image+text model with its processor
@@ -44,12 +44,16 @@ class RunStarted:
     record: dict[str, Any] | None = None  # set when the run was reopened from its record
 
 
-def load_job(spec: str, dtype: str, device: str, trust_remote_code: bool = False,
-             allow_pickle: bool = False) -> Job:
+def load_job(spec: str, dtype: str, device: str,
+             placement: tuple[str, str, str] = ("one device", "", ""),
+             trust_remote_code: bool = False, allow_pickle: bool = False) -> Job:
+    """Load a model; ``placement``: the device map, max memory and offload folder as typed."""
+
     def job(should_stop: StopFn, progress: ProgressFn) -> Iterator[Any]:
         from transformers.utils import logging as hf_logging
 
         from core.loading import load_model
+        from core.placement import Placement
         from core.prompt import has_chat_template
 
         hf_logging.disable_progress_bar()
@@ -57,10 +61,10 @@ def load_job(spec: str, dtype: str, device: str, trust_remote_code: bool = False
         progress(f"Loading {spec}…", 0, 0)
         loaded = load_model(spec, dtype=dtype, device=device, progress=progress,
                             should_stop=should_stop, trust_remote_code=trust_remote_code,
-                            allow_pickle=allow_pickle)
+                            allow_pickle=allow_pickle, placement=Placement.from_text(*placement))
         yield ModelReady(
             handle=loaded,
-            key=(spec, dtype, device),
+            key=(spec, dtype, device, placement),
             info=loaded.describe(),
             has_chat_template=has_chat_template(loaded.tokenizer, loaded.processor),
             takes_images=loaded.processor is not None,

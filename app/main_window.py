@@ -282,8 +282,10 @@ class MainWindow(QMainWindow):
         self.model_panel.remember(ready.key[0])
         self.model_panel.set_controls(ready.output_controls)
         self.model_panel.set_loaded(
-            f"{info['class']} ({info['family']}), {info['num_layers']} layers, "
-            f"{info['dtype']} on {info['device']}, in {ready.seconds:.1f} s")
+            f"{info['class']}, {info['num_layers']} layers, {info['dtype']} on {info['device']}"
+            + (f" ({info['placement']})" if info.get("placement") else "")
+            + f", {ready.seconds:.1f} s")
+        self.model_panel.loaded_label.setToolTip(f"family: {info['family']}")
         self.input_panel.set_chat_template_available(ready.has_chat_template)
         self.input_panel.set_takes_images(ready.takes_images)
         self.device_label.setText(f"{info['device']} · {info['dtype']}")

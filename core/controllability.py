@@ -51,6 +51,7 @@ def plan(loaded: LoadedModel, settings: Settings) -> list[LayerPlan]:
     import torch
 
     from core.compare import parse_layers, resolve_control
+    from core.offload import resident
     from core.patches import reachable_shift_bound
 
     model, adapter = loaded.model, loaded.adapter
@@ -76,13 +77,13 @@ def plan(loaded: LoadedModel, settings: Settings) -> list[LayerPlan]:
             conditions.append(CONDITIONS["frozen"])
             warnings.append("the post-norm scale is frozen: the down matrix alone reaches the "
                             "shift only where Appendix B's fit is exact")
-            m = adapter.norm_offset + s.out_norm.weight.detach().to(torch.float64)
+            m = adapter.norm_offset + resident(s.out_norm, "weight").detach().to(torch.float64)
             bound = reachable_shift_bound(m)
         elif control == "scale" and s.out_norm is not None:
             norm = names[id(s.out_norm)]
             outputs = [f"{norm}.weight"]
             conditions.append(CONDITIONS["scale"])
-            m = adapter.norm_offset + s.out_norm.weight.detach().to(torch.float64)
+            m = adapter.norm_offset + resident(s.out_norm, "weight").detach().to(torch.float64)
             zeros = int((m == 0).sum())
             if zeros:
                 warnings.append(f"the scale m has {zeros} exact zero(s)"

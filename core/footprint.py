@@ -43,14 +43,43 @@ def demo_folder(spec: str = "demo") -> Path:
 class Footprint:
     parameters: int
     dtype: str
+    kv_values_per_token: int | None = None  # keys and values of one token over all layers
 
     @property
     def bytes(self) -> int:
         return self.parameters * DTYPE_BYTES.get(self.dtype, 4)
 
+    def run_cache_bytes(self, tokens: int = 1000) -> int | None:
+        """A comparison's KV caches for ``tokens`` tokens: the full-context cache and the reduced
+        one (the targets are a few vectors per layer, negligible next to them)."""
+        if self.kv_values_per_token is None:
+            return None
+        return 2 * tokens * self.kv_values_per_token * DTYPE_BYTES.get(self.dtype, 4)
+
     def describe(self) -> str:
+        cache = self.run_cache_bytes()
+        kv = f" + {_human(cache)} of KV caches per 1,000 tokens" if cache else ""
         return (f"≈ {_human(self.bytes)} in {self.dtype} "
-                f"({self.parameters / 1e6:,.0f} M parameters), plus activations")
+                f"({self.parameters / 1e6:,.0f} M parameters){kv}, plus activations")
+
+
+def kv_values_per_token(folder: Path) -> int | None:
+    """2 x layers x key-value heads x head size, from config.json (the text config of an
+    image+text model); None when the config does not say."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config") or config
+    try:
+        layers = int(config.get("num_hidden_layers") or config["n_layer"])
+        heads = int(config.get("num_attention_heads") or config["n_head"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or
+                       int(config.get("hidden_size") or config["n_embd"]) // heads)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return 2 * layers * kv_heads * head_dim
 
 
 def _human(n: float) -> str:
@@ -101,7 +130,8 @@ def estimate(spec: str, dtype: str) -> Footprint | None:
     if spec in DEMOS:
         folder = demo_folder(spec)
         n = count_parameters(folder) if folder.is_dir() else None
-        return Footprint(n or DEMOS[spec][1], dtype)
+        return Footprint(n or DEMOS[spec][1], dtype,
+                         kv_values_per_token(folder) if folder.is_dir() else None)
     folder = Path(os.path.expanduser(spec))
     if not folder.is_dir():
         snapshot = _hub_snapshot(spec) if spec.count("/") == 1 else None
@@ -109,4 +139,4 @@ def estimate(spec: str, dtype: str) -> Footprint | None:
             return None
         folder = snapshot
     n = count_parameters(folder)
-    return Footprint(n, dtype) if n else None
+    return Footprint(n, dtype, kv_values_per_token(folder)) if n else None

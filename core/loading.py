@@ -219,7 +219,7 @@ def load_config(source: str, local_only: bool, trust_remote_code: bool = False) 
             if "custom code" in str(exc) or "trust_remote_code" in str(exc):
                 raise UserError(
                     f"{source} ships its own model code, which runs only if you trust it: pass "
-                    "--trust-remote-code (in the window: 'Trust this model's own code')") from None
+                    "--trust-remote-code (in the window: 'Trust its code')") from None
             raise UserError(f"cannot read the config of {source}: {exc}".splitlines()[0]) from None
         except (OSError, KeyError) as exc:
             last = exc

@@ -102,6 +102,15 @@ class Placement:
                             f"{weight_bytes / 1e9:.1f} GB and {probe} has {free / 1e9:.1f} GB "
                             "free (free some disk, use a 16-bit dtype or a smaller model)")
 
+    @classmethod
+    def from_text(cls, device_map: str, max_memory: str, offload_folder: str) -> Placement:
+        """From the window's fields: "one device" or a map name, "0=20GiB cpu=32GiB", a path."""
+        chosen = cls(None if device_map in ("", "one device") else device_map,
+                     parse_max_memory(max_memory.split()) or {},
+                     offload_folder.strip() or None)
+        chosen.validate()
+        return chosen
+
     def to_dict(self) -> dict[str, Any]:
         return {"device_map": self.device_map,
                 "max_memory": {str(k): v for k, v in self.max_memory.items()},

@@ -37,7 +37,7 @@ class QtInputPanel(QGroupBox):
     problem = Signal(str)  # a file dropped or chosen that cannot be used as an image
 
     IMAGE_FILTER = "Images (*.png *.jpg *.jpeg *.webp *.gif)"
-    THUMB = 56
+    THUMB = 44
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__("Input", parent)
@@ -66,6 +66,8 @@ class QtInputPanel(QGroupBox):
         self.query = QPlainTextEdit()
         self.query.setPlaceholderText("The query the patched model sees")
         self.query.setMaximumHeight(90)
+        for edit in (self.context, self.query):  # small screens: the edits give way first
+            edit.setMinimumHeight(3 * self.fontMetrics().lineSpacing())
         self.max_tokens = QSpinBox()
         self.max_tokens.setRange(1, 4096)
         self.max_tokens.setValue(20)

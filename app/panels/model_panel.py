@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEVICES = ("auto", "cpu", "cuda", "mps")
+PLACEMENTS = ("one device", "auto", "balanced", "sequential")
 METHODS = ("direct", "stable")
 ABSORB = ("context", "all")
 SCOPES = ("all-positions", "query")
@@ -63,6 +64,14 @@ class QtModelPanel(QGroupBox):
         row.addWidget(self.load)
         self.dtype = _combo(DTYPES)
         self.device = _combo(DEVICES, editable=True)
+        self.placement = _combo(PLACEMENTS)
+        self.placement.setToolTip("One device, or accelerate's placement across GPUs, CPU memory "
+                                  "and disk for models larger than one device")
+        self.max_memory = QLineEdit()
+        self.max_memory.setPlaceholderText("max memory: 0=20GiB cpu=32GiB")
+        self.max_memory.setToolTip("Memory per device for the placement (DEVICE=SIZE ...)")
+        self.offload_folder = QLineEdit()
+        self.offload_folder.setPlaceholderText("folder for layers that go to disk (optional)")
         self.footprint = QLabel()
         self.footprint.setWordWrap(True)
         self.loaded_label = QLabel("not loaded")
@@ -71,10 +80,10 @@ class QtModelPanel(QGroupBox):
         self.absorb = _combo(ABSORB)
         self.scope = _combo(SCOPES)
         self.layers = QLineEdit("all")
-        self.trust = QCheckBox("Trust this model's own code")
+        self.trust = QCheckBox("Trust its code")
         self.trust.setToolTip("Run Python code shipped with the checkpoint (trust_remote_code). "
                               "Only for models whose authors you trust: it can do anything.")
-        self.pickle = QCheckBox("Allow pickled weights")
+        self.pickle = QCheckBox("Allow pickles")
         self.pickle.setToolTip("Accept pytorch_model.bin when there are no safetensors (loaded "
                                "weights-only). A pickle can run code: only for models you trust.")
         self.patches = _combo(ABLATIONS)
@@ -88,11 +97,22 @@ class QtModelPanel(QGroupBox):
             getattr(self, name).setToolTip(TIPS[name])
         form = QFormLayout(self)
         form.addRow(row)
-        form.addRow("Precision", self.dtype)
-        form.addRow("Device", self.device)
+        where = QHBoxLayout()
+        where.addWidget(self.dtype, 1)
+        where.addWidget(QLabel("on"))
+        where.addWidget(self.device, 1)
+        form.addRow("Precision", where)
+        spread = QHBoxLayout()
+        spread.addWidget(self.placement)
+        spread.addWidget(self.max_memory, 1)
+        form.addRow("Placement", spread)
+        form.addRow("Offload to", self.offload_folder)
         form.addRow("Memory", self.footprint)
-        form.addRow(self.trust)
-        form.addRow(self.pickle)
+        trust = QHBoxLayout()
+        trust.addWidget(self.trust)
+        trust.addWidget(self.pickle)
+        trust.addStretch(1)
+        form.addRow(trust)
         form.addRow("Loaded", self.loaded_label)
         form.addRow("Method", self.method)
         form.addRow("Absorb", self.absorb)
@@ -100,11 +120,22 @@ class QtModelPanel(QGroupBox):
         form.addRow("Layers", self.layers)
         form.addRow("Output control", self.control)
         form.addRow("Patches", self.patches)
+        two_lines = 2 * self.fontMetrics().lineSpacing() + 8
+        for label in (self.footprint, self.loaded_label):  # wrapped text is not clipped
+            label.setMinimumHeight(two_lines)
         self.browse.clicked.connect(self.browse_folder)
         self.load.clicked.connect(self.load_requested)
         self.model.currentTextChanged.connect(self._on_model_edited)
         self.dtype.currentTextChanged.connect(self._on_model_edited)
+        self.placement.currentTextChanged.connect(self._on_placement)
         self._on_model_edited()
+        self._on_placement()
+
+    def _on_placement(self, *_: Any) -> None:
+        spread = self.placement.currentText() != PLACEMENTS[0]
+        self.max_memory.setEnabled(spread)
+        self.offload_folder.setEnabled(spread)
+        self.device.setEnabled(not spread)
 
     def browse_folder(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Open a model folder", self.spec())
@@ -114,8 +145,13 @@ class QtModelPanel(QGroupBox):
     def spec(self) -> str:
         return self.model.currentText().strip() or "demo"
 
-    def key(self) -> tuple[str, str, str]:
-        return (self.spec(), self.dtype.currentText(), self.device.currentText().strip() or "auto")
+    def key(self) -> tuple[str, str, str, tuple[str, str, str]]:
+        """What decides a load: spec, dtype, device and the placement fields."""
+        spread = self.placement.currentText() != PLACEMENTS[0]
+        placement = ((self.placement.currentText(), self.max_memory.text().strip(),
+                      self.offload_folder.text().strip()) if spread else (PLACEMENTS[0], "", ""))
+        return (self.spec(), self.dtype.currentText(), self.device.currentText().strip() or "auto",
+                placement)
 
     def trust_flags(self) -> dict[str, bool]:
         """Per load, never saved: trusting code or pickles is a decision for each model."""
@@ -163,7 +199,9 @@ class QtModelPanel(QGroupBox):
 
     def save(self) -> dict[str, Any]:
         return {"model": self.spec(), "recent": self.recent(), "dtype": self.dtype.currentText(),
-                "device": self.device.currentText(), **self.options()}
+                "device": self.device.currentText(), "device_map": self.placement.currentText(),
+                "max_memory": self.max_memory.text(), "offload_folder": self.offload_folder.text(),
+                **self.options()}
 
     def restore(self, data: dict[str, Any]) -> None:
         recent = [str(s) for s in (data.get("recent") or []) if s]
@@ -183,4 +221,11 @@ class QtModelPanel(QGroupBox):
                 self.patches.setCurrentText(text)
         if data.get("layers"):
             self.layers.setText(str(data["layers"]))
+        if data.get("device_map") in PLACEMENTS:
+            self.placement.setCurrentText(str(data["device_map"]))
+        memory = data.get("max_memory")
+        if memory is not None:
+            self.max_memory.setText(" ".join(memory) if isinstance(memory, list) else str(memory))
+        if data.get("offload_folder") is not None:
+            self.offload_folder.setText(str(data["offload_folder"]))
         self._on_model_edited()

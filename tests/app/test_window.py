@@ -189,3 +189,19 @@ def test_a_too_long_context_is_one_line_in_the_window(qtbot: Any, window: MainWi
     assert window.input_panel.context.toPlainText() == "word " * 600  # nothing lost
     window.input_panel.context.setPlainText("Alice lives in Paris.")
     assert _run(qtbot, window) == "completed"
+
+
+def test_placement_offloads_to_disk_and_stays_exact(qtbot: Any, window: MainWindow,
+                                                     tmp_path: Any) -> None:
+    panel = window.model_panel
+    panel.placement.setCurrentText("auto")
+    assert not panel.device.isEnabled() and panel.max_memory.isEnabled()
+    panel.max_memory.setText("cpu=12parsecs")
+    assert _run(qtbot, window) == "failed"
+    assert "malformed --max-memory" in window.last_error
+    panel.max_memory.setText("cpu=120KB")
+    panel.offload_folder.setText(str(tmp_path / "offload"))
+    assert _run(qtbot, window) == "completed", window.last_error
+    assert "disk" in panel.loaded_label.text()
+    assert all(s.patched.match for s in window.state.steps)
+    assert window.model is not None and window.model.key[3][0] == "auto"

@@ -81,6 +81,13 @@ def test_offloaded_equals_whole(pair, method, absorb, scope) -> None:  # type: i
             assert float(abs(arr - y.patches[name]).max()) <= 1e-6 * (float(abs(arr).max()) + 1e-30)
 
 
+def test_the_controllability_plan_reads_offloaded_scales(pair) -> None:  # type: ignore[no-untyped-def]
+    from core.controllability import plan
+
+    whole, placed = pair
+    assert plan(placed, Settings()) == plan(whole, Settings())
+
+
 def test_patches_from_an_offloaded_run_verify(pair, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     whole, placed = pair
     prompt, settings, steps = _run(placed)
@@ -113,3 +120,22 @@ def test_placement_errors(folder: Path, tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(UserError, match="is a file"):
         load_model(str(folder), placement=Placement("auto", {}, str(tmp_path / "file")))
+
+
+def test_the_memory_estimate_counts_weights_and_the_run_caches(folder: Path) -> None:
+    """Known before loading, from the safetensors headers and config.json: the weights at the
+    chosen dtype, and the two KV caches a comparison keeps (2 x layers x kv heads x head size
+    values per token each)."""
+    import json
+
+    from core.footprint import estimate
+
+    loaded = load_model(str(folder), dtype="float64", device="cpu")
+    params = sum(p.numel() for p in loaded.model.parameters())  # tied weights once
+    fp = estimate(str(folder), "bfloat16")
+    assert fp is not None and fp.bytes == 2 * params
+    config = json.loads((folder / "config.json").read_text())
+    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head
+    assert fp.run_cache_bytes(1000) == 2 * 1000 * per_token * 2
+    assert "KV caches per 1,000 tokens" in fp.describe()
