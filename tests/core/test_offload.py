@@ -139,3 +139,23 @@ def test_the_memory_estimate_counts_weights_and_the_run_caches(folder: Path) -> 
     per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head
     assert fp.run_cache_bytes(1000) == 2 * 1000 * per_token * 2
     assert "KV caches per 1,000 tokens" in fp.describe()
+
+
+def test_command_line_placement(capsys: pytest.CaptureFixture[str], folder: Path,
+                                tmp_path: Path) -> None:
+    from app.cli import main
+
+    argv = ["compare", "--model", str(folder), "--context", CONTEXT, "--query", QUERY,
+            "--max-new-tokens", "3", "--quiet", "--dtype", "float64", "--json", str(tmp_path / "r.json")]
+    assert main([*argv, "--device-map", "auto", "--max-memory", f"cpu={_budget(folder)}",
+                 "--offload-folder", str(tmp_path / "off")]) == 0
+    assert "token match 3/3" in capsys.readouterr().out
+    import json
+
+    assert "disk" in json.loads((tmp_path / "r.json").read_text())["model"]["placement"]
+    for bad, says in ((["--max-memory", "cpu=lots"], "malformed --max-memory"),
+                      (["--device-map", "auto", "--max-memory", "gpu=1GB"], "malformed --max-memory"),
+                      (["--offload-folder", str(tmp_path)], "need --device-map")):
+        assert main([*argv, *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
