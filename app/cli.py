@@ -84,6 +84,9 @@ def _compare_options(p: argparse.ArgumentParser) -> None:
                    help="leave out a kind of patch (ablation; 'output' freezes the output control, "
                         "e.g. Gemma's scale, and the report flags shifts beyond the reachable bound)")
     p.add_argument("--keep-bos", action="store_true", help="with --absorb all, keep BOS at position 0")
+    p.add_argument("--no-control", action="store_true",
+                   help="skip the unpatched model on the reduced sequence (the control): one "
+                        "forward less per token; the control's columns are then empty")
     p.add_argument("--chat-template", action="store_true",
                    help="wrap context and query in the tokenizer's chat template")
     p.add_argument("--stop-at-eos", action="store_true", help="stop when the baseline ends its text")
@@ -217,7 +220,7 @@ def _settings(args: argparse.Namespace, **overrides: Any) -> Any:
         max_new_tokens=args.max_new_tokens, method=args.method, absorb=args.absorb,
         scope=args.scope, layers=args.layers, keep_bos=args.keep_bos,
         output_control=args.output_control, top_k=args.top_k, stop_at_eos=args.stop_at_eos,
-        disabled=frozenset(args.disable),
+        disabled=frozenset(args.disable), control=not args.no_control,
     )
     settings = Settings(**{**fields, **overrides})
     settings.validate()
@@ -292,9 +295,10 @@ def run_compare(args: argparse.Namespace) -> int:
         patched = "".join(s.patched.text for s in steps)
         print(f"baseline (with context):   {baseline!r}")
         print(f"patched (without context): {patched!r}")
+        control = ("control: off" if c is None else
+                   f"control: match {c['matches']}/{summary['tokens']}  max L-inf {c['max_linf']:.3g}")
         print(f"token match {p['matches']}/{summary['tokens']}  max L-inf {p['max_linf']:.3g}  "
-              f"mean TVD {p['mean_tvd']:.3g}  |  control: match {c['matches']}/{summary['tokens']}  "
-              f"max L-inf {c['max_linf']:.3g}  |  {elapsed:.1f} s")
+              f"mean TVD {p['mean_tvd']:.3g}  |  {control}  |  {elapsed:.1f} s")
     return 0
 
 

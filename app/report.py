@@ -207,7 +207,7 @@ def report_html(run: Run, images: dict[str, str]) -> str:
     """The report's HTML; ``images`` maps each plot name (and the context image's thumbnail,
     `THUMBNAIL`) to its ``src`` (data URI or file)."""
     summary = run.record.get("summary", {})
-    p, c = summary.get("patched", {}), summary.get("control", {})
+    p, c = summary.get("patched") or {}, summary.get("control") or {}
     n = summary.get("tokens", len(run.steps))
     settings = [(k, v) for k, v in run.settings.items() if k not in ("context", "query")]
     prompt_rows = [(seg.kind, seg.text, len(seg.ids)) for seg in run.prompt.segments]

@@ -88,7 +88,8 @@ class RunState:
 
     def series(self, side: str, metric: str) -> np.ndarray:
         """One metric per step: side "patched" or "control", metric "linf", "tvd" or "match"."""
-        return np.array([float(getattr(getattr(s, side), metric)) for s in self.steps])
+        sides = [getattr(s, side) for s in self.steps]
+        return np.array([math.nan if x.token < 0 else float(getattr(x, metric)) for x in sides])
 
     def mismatches(self) -> np.ndarray:
         return np.array([s.step for s in self.steps if not s.patched.match], dtype=int)

@@ -26,6 +26,7 @@ from core.engine import (
     LayerPatch,
     PatchSpec,
     compute_dtype,
+    extend_cache,
     last_logits,
     logit_distance,
     patching,
@@ -58,6 +59,7 @@ class Settings:
     keep_patches: bool = False  # keep every step's patch vectors (for --save-patches)
     disabled: frozenset[str] = frozenset()  # patch kinds left out (negative controls)
     on_fault: str = "stop"  # a NaN or infinity in logits or patches: "stop" or "continue"
+    control: bool = True  # also run the unpatched model on the reduced sequence (a third pass)
 
     def validate(self) -> None:
         for name, value, allowed in (
@@ -169,6 +171,11 @@ class Side:
         }
 
 
+#: the control's place in a run made without it (``Settings.control`` off)
+NO_CONTROL = Side(token=-1, text="", match=False, linf=math.nan, tvd=math.nan,
+                  top_k=TopK((), (), ()))
+
+
 @dataclass(frozen=True)
 class StepResult:
     """Everything about one generated token, as plain data."""
@@ -215,14 +222,15 @@ def _top_k(tokenizer: Any, probs: torch.Tensor, k: int) -> TopK:
 def _side(tokenizer: Any, logits: torch.Tensor, base: torch.Tensor, base_probs: torch.Tensor,
           k: int) -> Side:
     token = int(logits.argmax())
-    match, linf, tvd = logit_distance(logits, base, base_probs)
+    probs = torch.softmax(logits, -1)  # once per side per step
+    match, linf, tvd = logit_distance(logits, base, base_probs, probs)
     return Side(
         token=token,
         text=_decode(tokenizer, token),
         match=match,
         linf=linf,
         tvd=tvd,
-        top_k=_top_k(tokenizer, torch.softmax(logits, -1), k),
+        top_k=_top_k(tokenizer, probs, k),
     )
 
 
@@ -387,7 +395,7 @@ def iter_token_patches(
                 if cached_query:
                     assert ctrl_cache is not None
                     if len(red_ids) - 1 > ctrl_len:
-                        last_logits(model, red_ids[ctrl_len:-1], device, cache=ctrl_cache)
+                        extend_cache(model, red_ids[ctrl_len:-1], device, ctrl_cache)
                         ctrl_len = len(red_ids) - 1
                     with _rollback(ctrl_cache), patching(
                         all_layers, sites, targets, spec, names, dtype, should_stop
@@ -397,7 +405,10 @@ def iter_token_patches(
                     with patching(all_layers, sites, targets, spec, names, dtype, should_stop) as lps:
                         patched = last_logits(model, red_ids, device, positions=red_pos)
                 t2 = time.perf_counter()
-                if ctrl_cache is not None:
+                ctrl = None
+                if not settings.control:
+                    pass  # (scope query still extends the prefix cache above, step by step)
+                elif ctrl_cache is not None:
                     ctrl = last_logits(model, red_ids[ctrl_len:], device, cache=ctrl_cache)
                     ctrl_len = len(red_ids)
                 else:
@@ -415,7 +426,8 @@ def iter_token_patches(
                     baseline_top_k=_top_k(tok, base_probs, settings.top_k),
                     logit_scale=float(base.abs().max()),
                     patched=_side(tok, patched, base, base_probs, settings.top_k),
-                    control=_side(tok, ctrl, base, base_probs, settings.top_k),
+                    control=(NO_CONTROL if ctrl is None else
+                             _side(tok, ctrl, base, base_probs, settings.top_k)),
                     full_input_ids=tuple(full + history),
                     reduced_input_ids=tuple(red_ids),
                     reduced_position_ids=tuple(red_pos) if red_pos is not None else None,
@@ -432,7 +444,7 @@ def iter_token_patches(
         return
 
 
-def _check_finite(step: int, base: torch.Tensor, patched: torch.Tensor, ctrl: torch.Tensor,
+def _check_finite(step: int, base: torch.Tensor, patched: torch.Tensor, ctrl: torch.Tensor | None,
                   lps: dict[int, LayerPatch], dtype: torch.dtype) -> None:
     """A NaN or infinity stops the run at the step and layer where it appeared, in one line."""
     hint = (f"in {str(dtype).removeprefix('torch.')}: try float32 or bfloat16, or method "
@@ -446,7 +458,7 @@ def _check_finite(step: int, base: torch.Tensor, patched: torch.Tensor, ctrl: to
         raise UserError(f"{where}, layer {bad[0]}: a patch vector is NaN or infinite {hint}")
     if not torch.isfinite(patched).all():
         raise UserError(f"{where}: the patched logits are NaN or infinite {hint}")
-    if not torch.isfinite(ctrl).all():
+    if ctrl is not None and not torch.isfinite(ctrl).all():
         raise UserError(f"{where}: the unpatched control's logits are NaN or infinite {hint}")
 
 
@@ -471,6 +483,9 @@ def summarize(steps: Sequence[StepResult]) -> dict[str, Any]:
     """Pooled metrics over a run: match rate, max and median of each, for patched and control."""
     out: dict[str, Any] = {"tokens": len(steps)}
     for label, sides in (("patched", [s.patched for s in steps]), ("control", [s.control for s in steps])):
+        if label == "control" and steps and all(x.token == NO_CONTROL.token for x in sides):
+            out["control"] = None  # a run made without the control
+            continue
         linf, tvd = [x.linf for x in sides], [x.tvd for x in sides]
         matches = sum(x.match for x in sides)
         out[label] = {

@@ -183,6 +183,7 @@ IMAGE_TOKENS = {
     "gemma3": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
                "image_token": "<image_soft_token>"},
     "llava": {"image_token": "<image>"},
+    "llava_next": {"image_token": "<image>"},
 }
 IMAGE_SIZE = 32
 
@@ -218,6 +219,25 @@ def image_text_parts(kind: str, layers: int = 4) -> tuple[Any, Any]:
             eoi_token_index=ids["eoi_token"], image_token_index=ids["image_token"])
         images = Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, **norm)
         processor = Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=4)
+    elif kind == "llava_next":
+        from transformers import (
+            LlavaNextConfig,
+            LlavaNextImageProcessorPil,
+            LlavaNextProcessor,
+        )
+
+        grid = [[IMAGE_SIZE, 2 * IMAGE_SIZE], [2 * IMAGE_SIZE, IMAGE_SIZE]]
+        config = LlavaNextConfig(
+            text_config=llama_config(layers=layers, vocab=330).to_dict(),
+            vision_config={**vision, "model_type": "clip_vision_model", "projection_dim": 16},
+            image_token_index=ids["image_token"], vision_feature_select_strategy="default",
+            vision_feature_layer=-2, image_grid_pinpoints=grid)
+        images = LlavaNextImageProcessorPil(
+            size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+            image_grid_pinpoints=grid, **norm)
+        processor = LlavaNextProcessor(image_processor=images, tokenizer=tok, patch_size=8,
+                                       vision_feature_select_strategy="default",
+                                       num_additional_image_tokens=1)
     else:
         from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaProcessor
 

@@ -115,7 +115,8 @@ class QtPlotsPanel(QWidget):
                 y = self.state.series(side, metric)
                 if metric != "match":
                     y = np.maximum(y, FLOOR)
-                self.curves[(metric, side)].setData(x, y)
+                shown = np.isfinite(y)  # a run made without the control has none
+                self.curves[(metric, side)].setData(x[shown], y[shown])
             y = self.state.series("patched", metric)
             if metric != "match":
                 y = np.maximum(y, FLOOR)

@@ -60,3 +60,15 @@ def test_the_window_exports_the_same_report(qtbot: Any, keep: Any, tiny_model_di
     assert "&lt;script&gt;" in text and text.count("data:image/png;base64,") == 4
     assert w.export("report", str(tmp_path / "w.pdf"))
     assert (tmp_path / "w.pdf").read_bytes()[:5] == b"%PDF-"
+
+
+def test_a_run_without_the_control_reports_it_empty(qtbot: Any, tiny_model_dir: str,
+                                                    tmp_path: Path) -> None:
+    record = _compare(tiny_model_dir, tmp_path, "r.html", "--no-control")
+    assert record["summary"]["control"] is None
+    assert all(s["control"]["linf"] is None and s["control"]["token"]["id"] == -1
+               for s in record["steps"])
+    assert record["settings"]["control"] is False
+    rows = re.findall(r"<tr><td>token match</td><td>([^<]*)</td><td>([^<]*)</td></tr>",
+                      (tmp_path / "r.html").read_text())
+    assert rows == [("3/3", "?/3")] or rows[0][1] in ("—", "?/3"), rows
