@@ -21,6 +21,7 @@ from core.errors import UserError
 IMAGE_TEXT_TYPES: dict[str, str] = {
     "gemma3": "Gemma 3 (Gemma3ForConditionalGeneration)",
     "llava": "LLaVA (LlavaForConditionalGeneration: Llama, Mistral or Qwen language model)",
+    "llava_next": "LLaVA-NeXT (LlavaNextForConditionalGeneration, any-resolution tiles)",
 }
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
@@ -137,4 +138,4 @@ def check_image_text(config: Any) -> None:
 def text_only(what: str = "this model") -> UserError:
     """The error for an image given to a text-only model."""
     return UserError(f"{what} reads text only and cannot take an image: use an image+text model "
-                     "(Gemma 3 4B and larger, LLaVA), or run without the image")
+                     "(Gemma 3 4B and larger, LLaVA, LLaVA-NeXT), or run without the image")

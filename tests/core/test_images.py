@@ -28,7 +28,7 @@ TOKENS = 4
 EXACT = 1e-6
 
 
-@pytest.fixture(scope="module", params=["gemma3", "llava"])
+@pytest.fixture(scope="module", params=["gemma3", "llava", "llava_next"])
 def loaded(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     return tiny_image_loaded(request.param)
 
@@ -51,7 +51,10 @@ def test_image_tokens_are_an_absorbed_segment(loaded, picture) -> None:  # type:
     assert kinds == ["template", "image", "context", "query"]
     image_ids = prompt.segments[1].ids
     image_token = loaded.model.config.image_token_id
-    assert image_ids.count(image_token) == (4 if "gemma" in loaded.spec else 16)
+    # Gemma 3: 4 pooled soft tokens; LLaVA: 16 patches; LLaVA-NeXT: the 16 of the base view
+    # plus a 2x1 grid of tiles at 16 each, with a newline token per row (any resolution)
+    expected = {"gemma3": 4, "llava": 16, "llava_next": 44}
+    assert image_ids.count(image_token) == expected[loaded.spec.split("-")[1]]
     assert image_token not in prompt.reduced_prompt_ids
     assert prompt.reduced_prompt_ids == prompt.segments[0].ids + prompt.segments[3].ids
     assert prompt.pixels["pixel_values"].shape[-1] == IMAGE_SIZE
@@ -79,7 +82,7 @@ def test_the_pixels_matter(loaded, picture) -> None:  # type: ignore[no-untyped-
     from PIL import Image
 
     _, _, steps = _steps(loaded, picture, context=CONTEXT)
-    other = (Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (0, 90, 200)), picture[1])
+    other = (Image.new("RGB", picture[0].size, (0, 90, 200)), picture[1])  # same tiles
     _, _, other_steps = _steps(loaded, other, context=CONTEXT)
     first, second = steps[0], other_steps[0]
     assert first.full_input_ids == second.full_input_ids
