@@ -61,7 +61,6 @@ def run_app(args: argparse.Namespace) -> int:
     from PySide6.QtWidgets import QApplication
 
     from app.main_window import MainWindow
-    from core.errors import UserError
 
     if getattr(args, "image", None):
         from core.images import read_image

@@ -26,13 +26,11 @@ from core.engine import (
     LayerPatch,
     PatchSpec,
     compute_dtype,
-    extend_cache,
-    last_logits,
-    logit_distance,
     patching,
     recording,
 )
 from core.errors import Cancelled, UserError
+from core.forward import extend_cache, last_logits, logit_distance
 from core.loading import LoadedModel
 from core.offload import resident
 from core.patches import Delta, Rank1

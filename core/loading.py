@@ -313,7 +313,8 @@ def load_model(
     model.eval()
     if progress:
         progress(f"Loaded {spec}", 1, 1)
-    return LoadedModel(model, tokenizer, adapter, spec, source, torch_dtype, torch_device, processor)
+    return LoadedModel(model, tokenizer, adapter, spec, source, torch_dtype, torch_device,
+                       processor)
 
 
 def _processor(source: str, kwargs: dict[str, Any], trust_remote_code: bool) -> Any:

@@ -73,7 +73,8 @@ class Placement:
         if self.offload_folder:
             folder = Path(self.offload_folder).expanduser()
             if folder.exists() and not folder.is_dir():
-                raise UserError(f"the offload folder {self.offload_folder} is a file: give a folder")
+                raise UserError(f"the offload folder {self.offload_folder} is a file: "
+                                "give a folder")
 
     def kwargs(self) -> dict[str, Any]:
         """from_pretrained's arguments for this placement."""

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from core.engine import last_logits, logit_distance, written_
 from core.errors import Cancelled, UserError
 from core.export import PATCHES_FORMAT, patch_step_meta
+from core.forward import last_logits, logit_distance, written_
 from core.loading import LoadedModel
 
 _NAME = re.compile(r"^step\.(\d+)\.(.+?)(?:\[(\d+)\])?\.(u|v|delta)$")

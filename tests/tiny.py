@@ -15,7 +15,7 @@ CORPUS = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_tokenizer(vocab_size: int = 320) -> Any:
     """A byte-level BPE tokenizer trained on a few sentences, with <pad>=0, <eos>=1, <bos>=2."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -233,7 +233,8 @@ def image_text_parts(kind: str, layers: int = 4) -> tuple[Any, Any]:
             image_token_index=ids["image_token"], vision_feature_select_strategy="default",
             vision_feature_layer=-2, image_grid_pinpoints=grid)
         images = LlavaNextImageProcessorPil(
-            size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+            size={"shortest_edge": IMAGE_SIZE},
+            crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
             image_grid_pinpoints=grid, **norm)
         processor = LlavaNextProcessor(image_processor=images, tokenizer=tok, patch_size=8,
                                        vision_feature_select_strategy="default",
@@ -246,8 +247,9 @@ def image_text_parts(kind: str, layers: int = 4) -> tuple[Any, Any]:
             vision_config={**vision, "model_type": "clip_vision_model", "projection_dim": 16},
             image_token_index=ids["image_token"], vision_feature_select_strategy="default",
             vision_feature_layer=-2)
-        images = CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
-                                       crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, **norm)
+        images = CLIPImageProcessorPil(
+            size={"shortest_edge": IMAGE_SIZE},
+            crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, **norm)
         processor = LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=8,
                                    vision_feature_select_strategy="default",
                                    num_additional_image_tokens=1)
@@ -270,9 +272,10 @@ def tiny_image_loaded(kind: str, dtype: torch.dtype = torch.float64, seed: int =
         for p in model.parameters():
             if not p.any():
                 p.add_((torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.2).to(p.dtype))
-    return LoadedModel(model=model, tokenizer=processor.tokenizer, adapter=adapter_for_config(config),
-                       spec=f"tiny-{kind}-image", source="memory", dtype=dtype,
-                       device=torch.device("cpu"), processor=processor)
+    return LoadedModel(model=model, tokenizer=processor.tokenizer,
+                       adapter=adapter_for_config(config), spec=f"tiny-{kind}-image",
+                       source="memory", dtype=dtype, device=torch.device("cpu"),
+                       processor=processor)
 
 
 def save_tiny_image_folder(folder: Any, kind: str, seed: int = 0) -> Any:

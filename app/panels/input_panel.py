@@ -5,9 +5,8 @@ The panel only shows a picture (Qt decodes a thumbnail); the run reads and check
 
 from __future__ import annotations
 
-from typing import Any
-
 from pathlib import Path
+from typing import Any
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QDragEnterEvent, QDropEvent, QImageReader, QPixmap

@@ -46,8 +46,8 @@ def _drop(w: MainWindow, path: str) -> None:
     panel.dropEvent(event)
 
 
-def test_the_sample_preset_runs_on_an_image_text_model(qtbot: Any, keep: Any, settings: Any,
-                                                        image_model_dir: str, tmp_path: Any) -> None:
+def test_the_sample_preset_runs_on_an_image_text_model(
+        qtbot: Any, keep: Any, settings: Any, image_model_dir: str, tmp_path: Any) -> None:
     w = _window(keep, settings, image_model_dir)
     index = next(i for i, p in enumerate(presets()) if p.get("image") == "sample")
     w.input_panel._on_preset(index + 1)

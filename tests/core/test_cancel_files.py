@@ -12,8 +12,8 @@ from core.export import atomic_write, write_text
 
 
 @pytest.mark.parametrize("stop_at", [1, 3])
-def test_cancel_while_converting_the_demo_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                         stop_at: int) -> None:
+def test_cancel_while_converting_the_demo_leaves_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop_at: int) -> None:
     """Cancelled before reading the tokenizer, or after the 4-bit parts were joined into one
     GGUF: neither the joined file nor a partial model folder is left behind."""
     from core.loading import ensure_demo

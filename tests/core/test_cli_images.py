@@ -67,11 +67,13 @@ def test_compare_with_an_image_then_verify(capsys: pytest.CaptureFixture[str], i
     assert "not the image these patches were made with" in line
 
 
-def test_image_errors(capsys: pytest.CaptureFixture[str], image_folder: Path, tmp_path: Path) -> None:
+def test_image_errors(capsys: pytest.CaptureFixture[str], image_folder: Path,
+                      tmp_path: Path) -> None:
     (tmp_path / "notes.png").write_text("not a picture")
     assert "no such image file" in _one_error_line(
         capsys, _compare(image_folder, str(tmp_path / "missing.png")))
-    assert "cannot read" in _one_error_line(capsys, _compare(image_folder, str(tmp_path / "notes.png")))
+    notes = str(tmp_path / "notes.png")
+    assert "cannot read" in _one_error_line(capsys, _compare(image_folder, notes))
     assert "folder, not an image" in _one_error_line(capsys, _compare(image_folder, str(tmp_path)))
 
 

@@ -11,7 +11,6 @@ import itertools
 from pathlib import Path
 
 import pytest
-import torch
 from tiny import IMAGE_SIZE, tiny_image_loaded
 
 from core.compare import Settings, iter_token_patches
@@ -46,7 +45,8 @@ def _steps(loaded, picture, context="", chat=False, **kw):  # type: ignore[no-un
 
 
 def test_image_tokens_are_an_absorbed_segment(loaded, picture) -> None:  # type: ignore[no-untyped-def]
-    prompt = build_prompt(loaded.tokenizer, CONTEXT, QUERY, image=picture, processor=loaded.processor)
+    prompt = build_prompt(loaded.tokenizer, CONTEXT, QUERY, image=picture,
+                          processor=loaded.processor)
     kinds = [s.kind for s in prompt.segments]
     assert kinds == ["template", "image", "context", "query"]
     image_ids = prompt.segments[1].ids

@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from tiny import gemma3_config, save_tiny_folder, tiny_config
 
 from core.compare import Settings, iter_token_patches
@@ -146,7 +145,8 @@ def test_command_line_placement(capsys: pytest.CaptureFixture[str], folder: Path
     from app.cli import main
 
     argv = ["compare", "--model", str(folder), "--context", CONTEXT, "--query", QUERY,
-            "--max-new-tokens", "3", "--quiet", "--dtype", "float64", "--json", str(tmp_path / "r.json")]
+            "--max-new-tokens", "3", "--quiet", "--dtype", "float64",
+            "--json", str(tmp_path / "r.json")]
     assert main([*argv, "--device-map", "auto", "--max-memory", f"cpu={_budget(folder)}",
                  "--offload-folder", str(tmp_path / "off")]) == 0
     assert "token match 3/3" in capsys.readouterr().out
@@ -154,7 +154,8 @@ def test_command_line_placement(capsys: pytest.CaptureFixture[str], folder: Path
 
     assert "disk" in json.loads((tmp_path / "r.json").read_text())["model"]["placement"]
     for bad, says in ((["--max-memory", "cpu=lots"], "malformed --max-memory"),
-                      (["--device-map", "auto", "--max-memory", "gpu=1GB"], "malformed --max-memory"),
+                      (["--device-map", "auto", "--max-memory", "gpu=1GB"],
+                       "malformed --max-memory"),
                       (["--offload-folder", str(tmp_path)], "need --device-map")):
         assert main([*argv, *bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -1,0 +1,73 @@
+"""Running the model: last-position logits, extending a cache, comparing logits, and writing
+deltas into parameters for one call. Used by the comparison protocol, verify and the bench."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from core.images import vision_kwargs
+
+
+@contextmanager
+def written_(pairs: Sequence[tuple[Tensor, Tensor]]) -> Iterator[None]:
+    """Add each delta to its parameter (or parameter slice) in place, rounded to the parameter's
+    dtype; restore the exact originals in ``finally``."""
+    saved: list[tuple[Tensor, Tensor]] = []
+    try:
+        with torch.no_grad():
+            for target, delta in pairs:
+                saved.append((target, target.detach().clone()))
+                target.copy_((target.to(delta.dtype) + delta).to(target.dtype))
+        yield
+    finally:
+        with torch.no_grad():
+            for target, original in reversed(saved):
+                target.copy_(original)
+
+
+def last_logits(model: Any, ids: Sequence[int], device: torch.device, cache: Any = None,
+                positions: Sequence[int] | None = None, pixels: dict[str, Any] | None = None
+                ) -> torch.Tensor:
+    """Last-position logits as a float64 CPU vector.
+
+    ``pixels``: an image's processor inputs (`core.prompt.Prompt.pixels`), for a run over ids
+    from position 0 that contain its image tokens.
+    """
+    kwargs: dict[str, Any] = {"logits_to_keep": 1}
+    if cache is not None:
+        kwargs.update(cache=cache, use_cache=True)
+    else:
+        kwargs["use_cache"] = False
+    if positions is not None:
+        kwargs["position_ids"] = torch.tensor([list(positions)], device=device)
+    input_ids = torch.tensor([list(ids)], device=device)
+    if pixels:
+        kwargs.update(vision_kwargs(model, pixels, input_ids))
+    out = model(input_ids=input_ids, **kwargs)
+    return out.logits[0, -1].detach().to("cpu", torch.float64)
+
+
+def extend_cache(model: Any, ids: Sequence[int], device: torch.device, cache: Any) -> None:
+    """Run ``ids`` into ``cache`` through the decoder alone: the keys and values without the
+    output matrix (on the demo model the 262k-word head is two thirds of a one-token pass)."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else model
+    decoder(input_ids=torch.tensor([list(ids)], device=device), cache=cache, use_cache=True)
+
+
+def logit_distance(logits: Tensor, base: Tensor, base_probs: Tensor | None = None,
+                   probs: Tensor | None = None) -> tuple[bool, float, float]:
+    """(argmax match, max |logits - base|, TVD = half the L1 distance of the softmaxes); pass
+    softmaxes already computed so that each side's is computed once."""
+    if base_probs is None:
+        base_probs = torch.softmax(base, -1)
+    if probs is None:
+        probs = torch.softmax(logits, -1)
+    tvd = 0.5 * (probs - base_probs).abs().sum()
+    match = int(logits.argmax()) == int(base.argmax())
+    return match, float((logits - base).abs().max()), float(tvd)
