@@ -2,7 +2,7 @@
 
 Data flows one way: the panels' inputs -> a job on the worker (app/jobs.py) -> plain results in
 `RunState` -> the views. The window holds the loaded model only as an opaque handle to give back
-to the next job; it never calls it.
+to the next job; it never calls it. Exports, the run list and sessions are in `app.window_files`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import Any
 from PySide6.QtCore import QSettings, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
-    QFileDialog,
     QHBoxLayout,
     QLabel,
     QMainWindow,
@@ -36,6 +35,7 @@ from app.panels.model_panel import QtModelPanel
 from app.panels.patch_panel import QtPatchPanel
 from app.panels.plots_panel import QtPlotsPanel
 from app.state import RunState
+from app.window_files import WindowFiles
 from app.worker import Worker
 
 log = logging.getLogger("ctxpatch")
@@ -77,7 +77,7 @@ class _ErrorBanner(QWidget):
         self.show_message(message)
 
 
-class MainWindow(QMainWindow):
+class MainWindow(WindowFiles, QMainWindow):
     #: a requested run ended: "completed", "cancelled" or "failed"
     run_finished = Signal(str)
     model_ready = Signal()
@@ -369,67 +369,6 @@ class MainWindow(QMainWindow):
     def _on_open_folder(self) -> None:
         self.model_panel.browse_folder()
 
-    def current_record(self) -> dict[str, Any] | None:
-        """The shown run as a run record (DESIGN.md "Run JSON"), or None before any run."""
-        if not self.state.steps or self.state.started is None:
-            return None
-        if getattr(self.state.started, "record", None) is not None:
-            return self.state.started.record  # a run reopened from a session
-        from core.compare import Settings
-        from core.controllability import record_section
-        from core.export import run_record
-
-        started = self.state.started
-        extras = ("context", "query", "chat_template", "image")
-        known = {k: v for k, v in started.settings.items() if k not in extras}
-        extra = {k: started.settings[k] for k in extras if k in started.settings}
-        extra.update(model=started.model.get("id"), dtype=started.model.get("dtype"),
-                     device=started.model.get("device"))
-        record = run_record(started.model, started.prompt, Settings.from_dict(known),
-                            self.state.steps, extra)
-        if started.plan:
-            record["controllability"] = record_section(started.plan, self.state.steps)
-        return record
-
-    def export(self, kind: str, path: str | None = None) -> bool:
-        """Write the current run as JSON, CSV or a report (HTML, or PDF by the file's suffix);
-        returns whether a file was written."""
-        record = self.current_record()
-        if record is None:
-            self.show_error("nothing to export yet: run a comparison first")
-            return False
-        if path is None:
-            filters = {"json": "Run JSON (*.json)", "csv": "Per-token CSV (*.csv)",
-                       "report": "HTML report (*.html);;PDF report (*.pdf)"}
-            default = {"json": "ctxpatch-run.json", "csv": "ctxpatch-run.csv",
-                       "report": "ctxpatch-report.html"}[kind]
-            path, _ = QFileDialog.getSaveFileName(self, "Export", default, filters[kind])
-            if not path:
-                return False
-        from core.errors import UserError
-        from core.export import steps_csv, write_json, write_text
-
-        try:
-            if kind == "json":
-                write_json(path, record)
-            elif kind == "csv":
-                write_text(path, steps_csv(self.state.steps))
-            else:
-                from pathlib import Path
-
-                from app.report import write_report
-                from core.records import run_from_record
-
-                target = Path(path)
-                self.status_label.setText(f"Writing the report {path}…")
-                write_report(run_from_record(record), target,
-                             target.with_name(f"{target.stem}_plots"))
-        except (UserError, OSError) as exc:
-            self.show_error(f"cannot write {path}: {exc}")
-            return False
-        self.status_label.setText(f"Saved {path}")
-        return True
-
     # -- settings -------------------------------------------------------------------------------
     def apply_options(self, options: dict[str, Any]) -> None:
         """Fill the panels from command-line style options (model, dtype, query, ...)."""
@@ -493,141 +432,6 @@ class MainWindow(QMainWindow):
         from PySide6.QtWidgets import QMessageBox
 
         QMessageBox.about(self, "About ctxpatch", self.about_text())
-
-    # -- history and sessions -------------------------------------------------------------------
-    def _remember_run(self) -> None:
-        record = self.current_record()
-        if record is None:
-            return
-        from app.session import MAX_RUNS
-
-        self.history = (self.history + [record])[-MAX_RUNS:]
-        self.history_index = len(self.history) - 1
-        self.history_panel.set_runs(self.history, self.history_index)
-        self._update_overlays()
-        self._autosave_session()
-
-    def _update_overlays(self) -> None:
-        import numpy as np
-
-        from app.panels.history_panel import short_label
-
-        runs = []
-        if self.plots.overlay.isChecked():
-            for i, record in enumerate(self.history):
-                if i == self.history_index:
-                    continue
-                steps = record.get("steps", [])
-                series = {"linf": np.array([float(s["linf"] or 0.0) for s in steps]),
-                          "tvd": np.array([float(s["tvd"] or 0.0) for s in steps]),
-                          "match": np.array([float(bool(s["match"])) for s in steps])}
-                runs.append((short_label(record, i), series))
-        shown = (short_label(self.history[self.history_index], self.history_index)
-                 if self.history_index is not None and self.history else "this run")
-        self.plots.set_overlays(runs, shown)
-
-    def show_run(self, index: int) -> None:
-        """Reopen a run of the history (no recomputation)."""
-        if self.busy or not 0 <= index < len(self.history):
-            return
-        from app.report import fill_state
-        from core.records import run_from_record
-
-        fill_state(self.state, run_from_record(self.history[index]))
-        self.history_index = index
-        self.history_panel.set_runs(self.history, index)
-        self._update_overlays()
-        self.status_label.setText(f"Showing run #{index + 1} (saved; not recomputed)")
-
-    def _session(self) -> dict[str, Any]:
-        from app.session import session_dict
-
-        return session_dict(self.input_panel.save(), self.model_panel.save(), self.history,
-                            self.history_index)
-
-    def _autosave_session(self) -> None:
-        from app.session import autosave_path, save_session
-        from core.errors import UserError
-
-        try:
-            save_session(autosave_path(), self._session())
-        except (UserError, OSError) as exc:
-            log.warning("autosave failed: %s", exc)
-
-    def save_session(self, path: str | None = None) -> bool:
-        if path is None:
-            path, _ = QFileDialog.getSaveFileName(self, "Save session", "ctxpatch-session.json",
-                                                  "ctxpatch session (*.json)")
-            if not path:
-                return False
-        from app.session import save_session
-        from core.errors import UserError
-
-        try:
-            save_session(path, self._session())
-        except (UserError, OSError) as exc:
-            self.show_error(f"cannot save the session {path}: {exc}")
-            return False
-        self.status_label.setText(f"Saved the session {path}")
-        return True
-
-    def open_session(self, path: str | None = None) -> bool:
-        if self.busy:
-            self.show_error("a job is running: cancel it (Esc) before opening a session")
-            return False
-        if path is None:
-            path, _ = QFileDialog.getOpenFileName(self, "Open session", "",
-                                                  "ctxpatch session (*.json)")
-            if not path:
-                return False
-        from app.session import load_session
-        from core.errors import UserError
-
-        try:
-            data = load_session(path)
-        except UserError as exc:
-            self.show_error(str(exc))
-            return False
-        self.apply_session(data)
-        self.status_label.setText(f"Opened the session {path}")
-        return True
-
-    def apply_session(self, data: dict[str, Any]) -> None:
-        if data.get("options"):
-            self.model_panel.restore(data["options"])
-        if data.get("inputs"):
-            self.input_panel.restore(data["inputs"])
-        self.history = list(data.get("runs", []))
-        current = data.get("current")
-        index = current if isinstance(current, int) and 0 <= current < len(self.history) else (
-            len(self.history) - 1)
-        self.history_panel.set_runs(self.history, index if self.history else None)
-        if self.history:
-            self.show_run(index)
-
-    def offer_autosave(self) -> None:
-        """After a crash, the autosaved session is offered back (deleted on a clean exit)."""
-        from app.session import autosave_path, load_session
-        from core.errors import UserError
-
-        path = autosave_path()
-        if not path.is_file():
-            return
-        try:
-            data = load_session(path)
-        except UserError as exc:
-            log.warning("unreadable autosave: %s", exc)
-            return
-        if not data.get("runs"):
-            return
-
-        def restore() -> None:
-            self.apply_session(data)
-            self.notice.hide()
-
-        self.notice.offer(f"ctxpatch did not close cleanly last time: restore its "
-                          f"{len(data['runs'])} run(s) and inputs (saved {data.get('saved')})?",
-                          restore)
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt override
         self.save_settings()
