@@ -21,6 +21,7 @@ from app.jobs import RunStarted
 from app.panels.generation_panel import COLORS, token_html
 from app.state import RunState
 from core import __version__
+from core.errors import UserError
 from core.records import Run
 
 PLOT_SIZE = (1100, 760)
@@ -276,6 +277,9 @@ def write_report(run: Run, path: str | Path, plot_dir: str | Path | None = None)
     from core.export import atomic_write, write_text
 
     path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():  # (the plots' folder beside it must not create it silently)
+        raise UserError(f"cannot write {path}: folder {parent} does not exist")
     images = plot_images(run)
     written = [path]
     if plot_dir is not None:

@@ -91,8 +91,11 @@ class WindowFiles:
                 self.status_label.setText(f"Writing the report {path}…")
                 write_report(run_from_record(record), target,
                              target.with_name(f"{target.stem}_plots"))
-        except (UserError, OSError) as exc:
-            self.show_error(f"cannot write {path}: {exc}")
+        except UserError as exc:
+            self.show_error(str(exc))
+            return False
+        except OSError as exc:
+            self.show_error(f"cannot write {path}: {exc.strerror or exc}")
             return False
         self.status_label.setText(f"Saved {path}")
         return True

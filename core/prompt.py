@@ -178,10 +178,10 @@ def check_prompt(prompt: Prompt, absorb: str) -> None:
                 "the context is empty: with absorb 'context' there is nothing to absorb "
                 "(give a context, or use absorb 'all')"
             )
-        if not any(s.kind == "query" and s.ids for s in prompt.segments):
+        if not any(s.kind == "query" and s.ids and s.text.strip() for s in prompt.segments):
             raise UserError(
-                "the query is empty: with absorb 'context' the patched model needs query tokens "
-                "(type a query, or use absorb 'all')"
+                "the query is empty (or only whitespace): with absorb 'context' the patched model "
+                "needs query tokens (type a query, or use absorb 'all')"
             )
 
 
