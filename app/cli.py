@@ -313,11 +313,11 @@ def run_bench(args: argparse.Namespace) -> int:
         raise UserError("--repeats must be at least 1")
     # generate cannot stop at EOS like the comparison would: both always make every token
     settings = _settings(args, stop_at_eos=False)
-    if args.image is not None:
-        raise UserError("bench measures text contexts only: leave out --image")
+    picture = _read_image(args.image)
     check_outputs(args.json)
     loaded = _load(args, args.dtype, say)
-    prompt = build_prompt(loaded.tokenizer, args.context, args.query, args.chat_template)
+    prompt = build_prompt(loaded.tokenizer, args.context, args.query, args.chat_template,
+                          image=picture, processor=loaded.processor)
     from core.prompt import check_prompt
 
     check_prompt(prompt, settings.absorb)
@@ -331,7 +331,7 @@ def run_bench(args: argparse.Namespace) -> int:
         say("measuring peak memory in child processes")
         spec = {"model": args.model, "dtype": args.dtype, "device": args.device,
                 "context": args.context, "query": args.query, "chat_template": args.chat_template,
-                "settings": settings.to_dict()}
+                "image": args.image, "settings": settings.to_dict()}
         del loaded
         result["memory"] = measure_memory(spec)
         result["memory_ratio"] = result["memory"]["memory_ratio"]

@@ -20,12 +20,17 @@ from collections.abc import Callable
 from typing import Any
 
 
-def _generate(loaded: Any, ids: list[int], tokens: int) -> None:
+def _generate(loaded: Any, prompt: Any, tokens: int) -> None:
+    """Plain greedy generation over the full prompt (with the image's pixels, if any)."""
     import torch
 
+    from core.images import vision_kwargs
+
+    ids = torch.tensor([list(prompt.full_ids)], device=loaded.device)
+    extra = vision_kwargs(loaded.model, prompt.pixels, ids) if prompt.pixels else {}
     with torch.inference_mode():
-        loaded.model.generate(torch.tensor([ids], device=loaded.device), max_new_tokens=tokens,
-                              min_new_tokens=tokens, do_sample=False)
+        loaded.model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                              **extra)
 
 
 def _compare(loaded: Any, prompt: Any, settings: Any) -> None:
@@ -44,9 +49,8 @@ def _sync(loaded: Any) -> None:
 
 def measure_time(loaded: Any, prompt: Any, settings: Any, repeats: int,
                  say: Callable[[str], None]) -> dict[str, Any]:
-    ids = list(prompt.full_ids)
     runs: dict[str, list[float]] = {"generate": [], "compare": []}
-    jobs = {"generate": lambda: _generate(loaded, ids, settings.max_new_tokens),
+    jobs = {"generate": lambda: _generate(loaded, prompt, settings.max_new_tokens),
             "compare": lambda: _compare(loaded, prompt, settings)}
     for job in jobs.values():  # warm-up
         job()
@@ -79,18 +83,21 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from core.compare import Settings
+    from core.images import read_image
     from core.loading import load_model
     from core.prompt import build_prompt
 
     loaded = load_model(spec["model"], dtype=spec["dtype"], device=spec["device"])
-    prompt = build_prompt(loaded.tokenizer, spec["context"], spec["query"], spec["chat_template"])
+    picture = read_image(spec["image"]) if spec.get("image") else None
+    prompt = build_prompt(loaded.tokenizer, spec["context"], spec["query"], spec["chat_template"],
+                          image=picture, processor=loaded.processor)
     settings = Settings.from_dict(spec["settings"])
     cuda = loaded.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(loaded.device)
     before = torch.cuda.max_memory_allocated(loaded.device) if cuda else 0
     if spec["side"] == "generate":
-        _generate(loaded, list(prompt.full_ids), settings.max_new_tokens)
+        _generate(loaded, prompt, settings.max_new_tokens)
     else:
         _compare(loaded, prompt, settings)
     if cuda:

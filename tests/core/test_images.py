@@ -11,6 +11,7 @@ import itertools
 from pathlib import Path
 
 import pytest
+import torch
 from tiny import IMAGE_SIZE, tiny_image_loaded
 
 from core.compare import Settings, iter_token_patches
@@ -164,3 +165,17 @@ def test_formats_and_gif_first_frame(tmp_path: Path) -> None:
     Image.new("RGB", (4, 4)).save(tmp_path / "a.bmp")
     with pytest.raises(UserError, match="BMP image"):
         read_image(tmp_path / "a.bmp")
+
+
+def test_the_baseline_is_plain_generation_with_the_image(loaded, picture) -> None:  # type: ignore[no-untyped-def]
+    """The comparison's full-context side (one cached step per token, the pixels in the first)
+    makes the tokens transformers' own generate makes from the same inputs."""
+    from core.images import vision_kwargs
+
+    prompt, _, steps = _steps(loaded, picture, context=CONTEXT)
+    ids = torch.tensor([list(prompt.full_ids)])
+    with torch.inference_mode():
+        out = loaded.model.generate(ids, max_new_tokens=TOKENS, min_new_tokens=TOKENS,
+                                    do_sample=False,
+                                    **vision_kwargs(loaded.model, prompt.pixels, ids))
+    assert out[0, ids.shape[1]:].tolist() == [s.baseline_token for s in steps]
