@@ -89,3 +89,26 @@ def test_an_unwritable_export(qtbot: Any, window: MainWindow, tmp_path: Path) ->
         assert not window.export(kind, str(tmp_path / "missing-folder" / f"run.{kind}"))
         assert "cannot write" in window.last_error and "\n" not in window.last_error
     assert window.export("json", str(tmp_path / "run.json"))
+
+
+def test_out_of_memory_in_a_run_is_one_line_and_the_next_run_works(
+        qtbot: Any, window: MainWindow, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An allocation that fails mid-run (on the worker thread) is a message with what to do;
+    the worker is gone, the model stays loaded, and the next run works."""
+    import torch
+
+    import core.compare
+
+    assert _run(qtbot, window) == "completed"
+    real = core.compare.iter_token_patches
+
+    def starved(*args: Any, **kwargs: Any) -> Any:
+        yield from []
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(core.compare, "iter_token_patches", starved)
+    assert _run(qtbot, window) == "failed"
+    assert window.last_error.startswith("out of memory") and "bfloat16" in window.last_error
+    assert "\n" not in window.last_error and window.worker is None
+    monkeypatch.setattr(core.compare, "iter_token_patches", real)
+    assert _run(qtbot, window) == "completed" and len(window.state.steps) == N
