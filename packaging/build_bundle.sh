@@ -5,9 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-build/bundle}"
 # transformers imports each model family lazily: collect every family ctxpatch supports
+# (the image+text families too, with their vision towers)
 families=$(python -c "from core.adapters import REGISTRY
+from core.images import IMAGE_TEXT_TYPES
+types = set(REGISTRY) | set(IMAGE_TEXT_TYPES) | {'clip', 'siglip'}
 print(' '.join(sorted({'--collect-submodules transformers.models.' + t.removesuffix('_text')
-                      for t in REGISTRY})))")
+                      for t in types})))")
 # shellcheck disable=SC2086
 python -m PyInstaller --noconfirm --clean --onedir --name ctxpatch \
   --distpath "$out/dist" --workpath "$out/work" --specpath "$out" \

@@ -17,11 +17,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 def main() -> int:
     exe = Path(sys.argv[1]).resolve()
-    from tiny import gemma3_config, save_tiny_folder, tiny_config
+    from tiny import gemma3_config, save_tiny_folder, save_tiny_image_folder, tiny_config
 
+    sample = str(Path(__file__).resolve().parents[1] / "resources" / "sample.png")
     with tempfile.TemporaryDirectory() as tmp:
         model = save_tiny_folder(Path(tmp) / "model", gemma3_config())
         mixtral = save_tiny_folder(Path(tmp) / "mixtral", tiny_config("mixtral"))
+        images = {kind: save_tiny_image_folder(Path(tmp) / kind, kind)
+                  for kind in ("gemma3", "llava", "llava_next")}
         env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "HF_HUB_OFFLINE": "1",
                "XDG_CONFIG_HOME": tmp, "XDG_STATE_HOME": tmp}
         runs = [
@@ -32,7 +35,8 @@ def main() -> int:
              "Hello", "--max-new-tokens", "3", "--quiet"],
             [str(exe), "--screenshot", str(Path(tmp) / "shot.png"), "--model", str(model),
              "--context", "The fox.", "--query", "Hello", "--max-new-tokens", "3"],
-        ]
+        ] + [[str(exe), "compare", "--model", str(folder), "--image", sample, "--query",
+              "Describe it.", "--max-new-tokens", "3", "--quiet"] for folder in images.values()]
         for argv in runs:
             out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600,
                                  cwd=tmp)

@@ -23,7 +23,8 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path: Path) -> Non
         entry = next(n for n in names if n.endswith("entry_points.txt"))
         assert "ctxpatch = app.cli:main" in z.read(entry).decode()
     assert {"resources/presets.json", "core/engine.py", "app/main_window.py",
-            "resources/ctxpatch.desktop", "resources/icons/ctxpatch-256.png"} <= names
+            "resources/ctxpatch.desktop", "resources/icons/ctxpatch-256.png",
+            "resources/sample.png", "resources/LICENSE-sample.txt"} <= names
     assert not any(n.startswith("tests/") for n in names)
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
@@ -33,6 +34,8 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path: Path) -> Non
         "import sys, core, app, resources\n"
         f"assert core.__file__.startswith({str(site)!r}), core.__file__\n"
         "assert len(resources.presets()) >= 5 and len(resources.icon_paths()) == 8\n"
+        "from core.images import read_image\n"
+        "assert read_image(resources.sample_image_path())[1].width == 384\n"
         "from app.cli import main\n"
         "assert main(['--version']) == 0\n"
         f"sys.exit(main(['compare', '--model', {str(model)!r}, '--context', 'The fox.', "
