@@ -9,6 +9,7 @@ metrics, and the plots and the patch explorer follow.
 from __future__ import annotations
 
 import html
+from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QEvent, Qt, QUrl
@@ -16,6 +17,8 @@ from PySide6.QtWidgets import QLabel, QSplitter, QTextBrowser, QVBoxLayout, QWid
 
 from app.state import RunState
 from app.theme import is_dark
+
+THUMB_HEIGHT = 64  # the context image in the with-context pane
 
 
 def token_html(text: str) -> str:
@@ -98,9 +101,15 @@ class QtGenerationPanel(QWidget):
         image = started.prompt.image
         name = image.path.replace("\\", "/").rsplit("/", 1)[-1] if image is not None else ""
 
+        picture = ""
+        if image is not None and Path(image.path).is_file():  # a thumbnail, drawn by Qt
+            url = QUrl.fromLocalFile(image.path).toString()
+            picture = f'<img src="{html.escape(url)}" height="{THUMB_HEIGHT}"> '
+
         def grey(seg_kind: str, text: str) -> str:
-            if seg_kind == "image":  # a picture's soft tokens: named, not spelled out
-                return f'<span style="color:gray"><i>[image: {html.escape(name)}]</i></span>'
+            if seg_kind == "image":  # a picture's soft tokens: shown and named, not spelled out
+                return (f'{picture}<span style="color:gray"><i>[image: {html.escape(name)}]'
+                        '</i></span>')
             return f'<span style="color:gray">{token_html(text)}</span>' if text else ""
 
         full = "".join(grey(seg.kind, seg.text) for seg in segments)
