@@ -64,6 +64,11 @@ def test_the_sample_preset_runs_on_an_image_text_model(
     assert w.export("report", str(tmp_path / "r.html"))
     assert "Context image: sample.png" in (tmp_path / "r.html").read_text()
     assert all(not hasattr(v, "dtype") for v in vars(w.state.started.prompt).values())
+    # the with-context pane shows the picture and names it; the patched pane has neither
+    baseline, patched = w.generation.pane_texts()
+    assert "[image: sample.png]" in baseline and "[image:" not in patched
+    assert "<img" in w.generation.baseline.view.toHtml()
+    assert "<img" not in w.generation.patched.view.toHtml()
 
 
 def test_dropping_files(qtbot: Any, keep: Any, settings: Any, image_model_dir: str,
