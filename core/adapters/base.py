@@ -60,9 +60,6 @@ class Adapter:
             and the default. "scale" = post-norm scale m, "matrix" = rank-1 on the output matrix,
             "bias" = the output matrix's bias.
         norm_offset: the post-norm computes ``(norm_offset + weight) * N(h)`` (Gemma: 1).
-        parallel_block: attention and MLP read the same layer input (GPT-J, Falcon); for
-            families where it depends on the config (GPT-NeoX, Falcon) each layer's
-            `LayerSites.parallel` says.
         transposed: matrices are stored (in, out) like GPT-2's Conv1D.
         notes: the family's quirks, shown in reports and `--help`.
     """
@@ -72,7 +69,6 @@ class Adapter:
     sites: Callable[[nn.Module], LayerSites]
     output_controls: tuple[str, ...]
     norm_offset: float = 0.0
-    parallel_block: bool = False
     transposed: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
 

@@ -31,7 +31,6 @@ ADAPTER = Adapter(
     model_types=("falcon",),
     sites=_sites,
     output_controls=("matrix", "bias"),
-    parallel_block=True,
     notes=(
         "parallel blocks (7B, 40B, new decoder architecture): only the output control is needed "
         "once the layer input matches; sequential blocks (e.g. falcon-rw): input and output",

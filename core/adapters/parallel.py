@@ -72,7 +72,6 @@ GPTJ = Adapter(
     model_types=("gptj",),
     sites=_gptj,
     output_controls=("matrix", "bias"),
-    parallel_block=True,
     notes=(_NOTE,),
 )
 
@@ -81,7 +80,6 @@ NEOX = Adapter(
     model_types=("gpt_neox",),
     sites=_neox,
     output_controls=("matrix", "bias"),
-    parallel_block=True,
     notes=(_NOTE, "use_parallel_residual=False makes the block sequential (v before the MLP norm)"),
 )
 
@@ -90,6 +88,5 @@ COHERE = Adapter(
     model_types=("cohere", "cohere2"),
     sites=_cohere,
     output_controls=("matrix",),
-    parallel_block=True,
     notes=(_NOTE, "no biases: the down matrix is the output control"),
 )
