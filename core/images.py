@@ -17,11 +17,13 @@ from typing import Any
 from core.errors import UserError
 
 #: image+text model types whose language model is one of our adapters' families, and which are
-#: tested (tiny random models in float64). Others with a vision tower are refused by name.
+#: tested (tiny random models in float64). Others with a vision tower are refused by name
+#: (Qwen2-VL's and SmolVLM2's processors need torchvision for their video processors).
 IMAGE_TEXT_TYPES: dict[str, str] = {
     "gemma3": "Gemma 3 (Gemma3ForConditionalGeneration)",
     "llava": "LLaVA (LlavaForConditionalGeneration: Llama, Mistral or Qwen language model)",
     "llava_next": "LLaVA-NeXT (LlavaNextForConditionalGeneration, any-resolution tiles)",
+    "idefics3": "Idefics3 and SmolVLM (Idefics3ForConditionalGeneration: image splitting)",
 }
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
@@ -138,4 +140,5 @@ def check_image_text(config: Any) -> None:
 def text_only(what: str = "this model") -> UserError:
     """The error for an image given to a text-only model."""
     return UserError(f"{what} reads text only and cannot take an image: use an image+text model "
-                     "(Gemma 3 4B and larger, LLaVA, LLaVA-NeXT), or run without the image")
+                     "(Gemma 3 4B and larger, LLaVA, LLaVA-NeXT, SmolVLM), or run without the "
+                     "image")

@@ -24,7 +24,7 @@ def main() -> int:
         model = save_tiny_folder(Path(tmp) / "model", gemma3_config())
         mixtral = save_tiny_folder(Path(tmp) / "mixtral", tiny_config("mixtral"))
         images = {kind: save_tiny_image_folder(Path(tmp) / kind, kind)
-                  for kind in ("gemma3", "llava", "llava_next")}
+                  for kind in ("gemma3", "llava", "llava_next", "idefics3")}
         env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "HF_HUB_OFFLINE": "1",
                "XDG_CONFIG_HOME": tmp, "XDG_STATE_HOME": tmp}
         runs = [

@@ -184,7 +184,10 @@ IMAGE_TOKENS = {
                "image_token": "<image_soft_token>"},
     "llava": {"image_token": "<image>"},
     "llava_next": {"image_token": "<image>"},
+    "idefics3": {},  # its processor adds <image> and <fake_token_around_image> itself
 }
+#: Idefics3's image grid tokens, special in its tokenizers (SmolVLM's too)
+GRID_TOKENS = ["<global-img>"] + [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
 IMAGE_SIZE = 32
 
 
@@ -197,7 +200,8 @@ def image_tokenizer(kind: str) -> Any:
         tiny_tokenizer(320).backend_tokenizer.to_str())
     from tokenizers import AddedToken
 
-    backend.add_special_tokens([AddedToken(t, special=True) for t in roles.values()])
+    extra = GRID_TOKENS if kind == "idefics3" else []
+    backend.add_special_tokens([AddedToken(t, special=True) for t in [*roles.values(), *extra]])
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>",
                                    pad_token="<pad>", extra_special_tokens=dict(roles))
 
@@ -219,6 +223,17 @@ def image_text_parts(kind: str, layers: int = 4) -> tuple[Any, Any]:
             eoi_token_index=ids["eoi_token"], image_token_index=ids["image_token"])
         images = Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, **norm)
         processor = Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=4)
+    elif kind == "idefics3":
+        from transformers import Idefics3Config, Idefics3ImageProcessorPil, Idefics3Processor
+
+        images = Idefics3ImageProcessorPil(size={"longest_edge": 2 * IMAGE_SIZE},
+                                           max_image_size={"longest_edge": IMAGE_SIZE},
+                                           do_image_splitting=True, **norm)
+        processor = Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=4)
+        config = Idefics3Config(
+            text_config=llama_config(layers=layers, vocab=400).to_dict(),
+            vision_config={k: v for k, v in vision.items()}, scale_factor=2,
+            image_token_id=processor.image_token_id)
     elif kind == "llava_next":
         from transformers import (
             LlavaNextConfig,

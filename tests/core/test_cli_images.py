@@ -14,7 +14,7 @@ from app.cli import main
 from resources import sample_image_path
 
 
-@pytest.fixture(scope="module", params=["gemma3", "llava", "llava_next"])
+@pytest.fixture(scope="module", params=["gemma3", "llava", "llava_next", "idefics3"])
 def image_folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(save_tiny_image_folder(tmp_path_factory.mktemp(f"tiny-{request.param}-image"),
                                        request.param))

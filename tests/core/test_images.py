@@ -28,7 +28,7 @@ TOKENS = 4
 EXACT = 1e-6
 
 
-@pytest.fixture(scope="module", params=["gemma3", "llava", "llava_next"])
+@pytest.fixture(scope="module", params=["gemma3", "llava", "llava_next", "idefics3"])
 def loaded(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     return tiny_image_loaded(request.param)
 
@@ -53,8 +53,9 @@ def test_image_tokens_are_an_absorbed_segment(loaded, picture) -> None:  # type:
     image_ids = prompt.segments[1].ids
     image_token = loaded.model.config.image_token_id
     # Gemma 3: 4 pooled soft tokens; LLaVA: 16 patches; LLaVA-NeXT: the 16 of the base view
-    # plus a 2x1 grid of tiles at 16 each, with a newline token per row (any resolution)
-    expected = {"gemma3": 4, "llava": 16, "llava_next": 44}
+    # plus a 2x1 grid of tiles at 16 each, with a newline token per row (any resolution);
+    # Idefics3: a 2x2 split plus the global view, 4 pixel-shuffled tokens each
+    expected = {"gemma3": 4, "llava": 16, "llava_next": 44, "idefics3": 20}
     assert image_ids.count(image_token) == expected[loaded.spec.split("-")[1]]
     assert image_token not in prompt.reduced_prompt_ids
     assert prompt.reduced_prompt_ids == prompt.segments[0].ids + prompt.segments[3].ids
