@@ -16,7 +16,8 @@ from typing import Any
 #: the command-line options the window understands (the rest of `compare` is headless only)
 WINDOW_OPTIONS = ("model", "dtype", "device", "method", "absorb", "scope", "layers",
                   "output_control", "context", "query", "max_new_tokens", "chat_template",
-                  "disable", "image", "device_map", "max_memory", "offload_folder")
+                  "disable", "image", "device_map", "max_memory", "offload_folder",
+                  "trust_remote_code", "allow_pickle")
 
 
 _WINDOWS: list[Any] = []
@@ -58,14 +59,21 @@ def window_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_app(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    from PySide6.QtWidgets import QApplication
+    from core.errors import UserError
 
-    from app.main_window import MainWindow
-
+    window = (*WINDOW_OPTIONS, "command", "screenshot", "quiet")
+    ignored = sorted(k for k in vars(args) if k not in window)
+    if ignored:  # compare-only options are not silently dropped
+        flag = "--" + ignored[0].replace("_", "-")
+        raise UserError(f"{flag} is for 'ctxpatch compare' (or bench), not the window: run "
+                        f"'ctxpatch compare ... {flag}', or leave it out")
     if getattr(args, "image", None):
         from core.images import read_image
 
         read_image(args.image)  # a bad file is one line before the window opens
+    from PySide6.QtWidgets import QApplication
+
+    from app.main_window import MainWindow
     screenshot = getattr(args, "screenshot", None)
     if screenshot:
         from app.cli import check_outputs

@@ -228,4 +228,9 @@ class QtModelPanel(QGroupBox):
             self.max_memory.setText(" ".join(memory) if isinstance(memory, list) else str(memory))
         if data.get("offload_folder") is not None:
             self.offload_folder.setText(str(data["offload_folder"]))
+        # given on the command line for this start only (save() never records them)
+        if data.get("trust_remote_code"):
+            self.trust.setChecked(True)
+        if data.get("allow_pickle"):
+            self.pickle.setChecked(True)
         self._on_model_edited()

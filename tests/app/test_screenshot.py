@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import pytest
+
 from PySide6.QtGui import QImage
 
 from app.cli import main
@@ -37,3 +39,24 @@ def test_screenshot_to_an_unwritable_place_fails_before_any_work(tmp_path: Any, 
     code = main(["--screenshot", str(tmp_path / "no" / "shot.png"), "--query", "q"])
     assert code == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", [["--json", "run.json"], ["--no-control"], ["--verify"],
+                                    ["--keep-bos"]])
+def test_compare_only_options_are_refused_by_the_window(option: list[str], capsys: Any) -> None:
+    """Not silently dropped: one line naming the option and where it works."""
+    code = main([*option, "--query", "q"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith(f"ctxpatch: error: {option[0]} is for 'ctxpatch compare'")
+
+
+def test_trust_flags_on_the_command_line_tick_the_boxes_for_this_start(
+        qtbot: Any, keep: Any, settings: Any) -> None:
+    from app.main_window import MainWindow
+
+    w = MainWindow(settings=settings, autoload=False,
+                   options={"trust_remote_code": True, "allow_pickle": True})
+    keep(w)
+    assert w.model_panel.trust_flags() == {"trust_remote_code": True, "allow_pickle": True}
+    assert "trust_remote_code" not in w.model_panel.save()  # never remembered
