@@ -35,9 +35,11 @@ def test_reduced_context_is_the_full_sequence_without_the_context(context: str, 
         start += len(s.ids)
     try:
         check_prompt(prompt, "context")
-    except UserError as exc:  # only ever for a missing context or query
+    except UserError as exc:  # only ever for a missing context, or a missing or blank query
         assert "empty" in str(exc)
-        assert not context or not any(s.kind == "query" for s in prompt.segments)
+        assert not context or not query.strip()
+    else:
+        assert context and query.strip()
 
 
 @FAST
