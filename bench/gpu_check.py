@@ -1,0 +1,87 @@
+"""The device check, prepared for a session lent a GPU: one short script, bfloat16 and float32,
+20 and 200 new tokens, plain generate vs the comparison (with and without the control).
+
+    PYTHONPATH=. python3 bench/gpu_check.py [--out DIR] [--tokens 20,200] [--repeats 3]
+
+The device machine reaches no package index and carries at most 64 MiB, so the demo's weights
+(1.1 GB) cannot travel: the model is Gemma 3 270M's own config (bench/gemma3-270m-config.json,
+copied from the converted demo) with random weights, which has the demo's shapes and therefore
+its timings (not its exactness on real weights: that is measured here on the CPU). The prompt is
+20 random token ids (the Mars prompt's length). Needs transformers >= 5.20 there: carry its
+wheel if the machine's is older (.library/device README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+class _Ids:
+    """A stand-in tokenizer: the comparison only decodes token ids for its top-k lists."""
+
+    bos_token_id = 2
+    eos_token_id = 1
+
+    def decode(self, ids, **kwargs):  # type: ignore[no-untyped-def]
+        return " ".join(str(i) for i in ids)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--tokens", default="20,200")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="auto")
+    args = ap.parse_args()
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from core.adapters import adapter_for_config
+    from core.bench import machine, measure_time
+    from core.compare import Settings
+    from core.loading import DTYPES, LoadedModel, resolve_device
+    from core.prompt import Prompt, Segment
+
+    device = resolve_device(args.device)
+    config = AutoConfig.from_pretrained(ROOT / "bench" / "gemma3-270m-config.json")
+    g = torch.Generator().manual_seed(0)
+    ids = tuple(int(i) for i in torch.randint(3, 1000, (19,), generator=g))
+    prompt = Prompt((Segment("template", "<bos>", (2,)), Segment("query", "random", ids)), 2)
+    rows = []
+    for dtype in ("bfloat16", "float32"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype]).to(device).eval()
+        loaded = LoadedModel(model, _Ids(), adapter_for_config(config), "gemma3-270m-random",
+                             "config", DTYPES[dtype], device)
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            for control in (True, False):
+                settings = Settings(max_new_tokens=tokens, absorb="all", control=control)
+                t0 = time.perf_counter()
+                r = measure_time(loaded, prompt, settings, args.repeats, lambda *a: None)
+                row = {"dtype": dtype, "tokens": tokens, "control": control,
+                       "generate_s": r["generate_s"], "compare_s": r["compare_s"],
+                       "time_ratio": r["time_ratio"], "wall_s": time.perf_counter() - t0}
+                if device.type == "cuda":
+                    row["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+                rows.append(row)
+                print(f"{dtype:9} {tokens:4} tokens control={control!s:5}  generate "
+                      f"{r['generate_s']:.2f} s  compare {r['compare_s']:.2f} s  ratio "
+                      f"{r['time_ratio']:.2f}", flush=True)
+        del model, loaded
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    result = {"machine": machine(), "device": str(device), "rows": rows}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "gpu_check.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
