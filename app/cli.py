@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     repro.add_argument("--max-new-tokens", type=int, default=20)
     repro.add_argument("--prompts", type=int, default=5, help="use the first N of the 5 prompts")
     repro.add_argument("--dtypes", default="float32,bfloat16")
+    repro.add_argument("--image", nargs="?", const="sample", default=None, metavar="FILE",
+                       help="add the paper's image run (Figure 5) with FILE, or the bundled "
+                            "cat picture when FILE is left out (image+text models)")
     repro.add_argument("--sweep", default=None,
                        help="first patched layers to sweep, e.g. '0,4,9' (default: five "
                             "spread over the model)")

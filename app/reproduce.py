@@ -86,6 +86,42 @@ def _sweep_figure(rows: list[dict[str, Any]]) -> Any:
     return graphics
 
 
+def _figure5(records: dict[str, Any], dtypes: list[str]) -> Any:
+    """The image run: logit L-infinity per token, one line per dtype and method, mismatches
+    marked (the paper's Figure 5, top panel)."""
+    import numpy as np
+    import pyqtgraph as pg
+
+    from app.report import ensure_app
+
+    ensure_app()
+    graphics = pg.GraphicsLayoutWidget()
+    graphics.setBackground("w")
+    plot = graphics.addPlot(row=0, col=0, title="image run: logit L∞ per token (log scale)")
+    plot.setLogMode(y=True)
+    plot.addLegend(offset=(-10, 10), labelTextColor="k")
+    colours = iter([(40, 110, 220), (240, 140, 30), (40, 160, 70), (200, 40, 40)])
+    for d in dtypes:
+        for m in ex.METHODS:
+            record = records.get(f"image-{d}-{m}")
+            if record is None:
+                continue
+            steps = record["steps"]
+            x = np.arange(1, len(steps) + 1, dtype=float)
+            y = np.array([max(float(s["linf"] or 0.0), 1e-12) for s in steps])
+            colour = next(colours)
+            plot.plot(x, y, pen=pg.mkPen(colour, width=2), symbol="o", symbolSize=5,
+                      symbolBrush=colour, name=f"{d} {m}")
+            bad = np.array([not s["match"] for s in steps])
+            if bad.any():
+                plot.plot(x[bad], y[bad], pen=None, symbol="x", symbolSize=12,
+                          symbolBrush=(200, 0, 0), symbolPen=(200, 0, 0))
+    plot.setLabel("bottom", "generated token")
+    plot.showGrid(x=True, y=True, alpha=0.25)
+    _black(graphics, (plot,))
+    return graphics
+
+
 def _image(graphics: Any, size: tuple[int, int] = (1100, 420)) -> tuple[bytes, bytes]:
     from PySide6.QtCore import Qt
     from PySide6.QtWidgets import QApplication
@@ -119,6 +155,8 @@ def write_reproduction(out: Path, model: str, records: dict[str, Any], rows: lis
     images: dict[str, tuple[bytes, bytes]] = {"figure4": _image(_figure4(rows, records, prompts))}
     if sweep:
         images["sweep"] = _image(_sweep_figure(sweep))
+    if any(name.startswith("image-") for name in records):
+        images["figure5"] = _image(_figure5(records, dtypes))
     for d in dtypes:
         for m in ex.METHODS:
             name = f"{d}-{m}-p1"
@@ -166,12 +204,49 @@ prompt. Prompts:</p><ol>{prompts_list}</ol>
 {sweep_table}
 <h2>Figure 3: per-token metrics</h2>
 {figure3}
+{_figure5_html(records, images)}
 <h2>Every run</h2>
 {runs}
 </body></html>
 """
     write_text(out / "report.html", page)
     return out / "report.html"
+
+
+def _figure5_html(records: dict[str, Any], images: dict[str, tuple[bytes, bytes]]) -> str:
+    from app.report import _data_uri
+
+    runs = {name: r for name, r in sorted(records.items()) if name.startswith("image-")}
+    if not runs:
+        return ""
+    first = next(iter(runs.values()))
+    info = first.get("prompt", {}).get("image") or {}
+    rows = _table([[name.removeprefix("image-"),
+                    f"{r['summary']['patched']['matches']}/{r['summary']['tokens']}",
+                    r["summary"]["patched"]["max_linf"], r["summary"]["patched"]["median_tvd"]]
+                   for name, r in runs.items()],
+                  ["dtype, method", "token match", "max logit L∞", "median TVD"])
+    baseline = html.escape("".join(s["baseline_token"]["text"] for s in first["steps"]))
+    return (f"<h2>Figure 5: a picture in the context</h2><p>Query "
+            f"<i>{html.escape(ex.IMAGE_QUERY)}</i> with the picture "
+            f"{html.escape(Path(info.get('path', '?')).name)} (sha256 "
+            f"{html.escape(str(info.get('sha256', '?'))[:16])}…); the baseline of the first run: "
+            f"<i>{baseline}</i></p>"
+            f"<p><img src=\"{_data_uri(images['figure5'][0])}\" width=\"680\"></p>{rows}")
+
+
+def _image_model_check(model: str) -> None:
+    """The image runs need an image+text model: say so before any run."""
+    from core.footprint import DEMOS
+    from core.images import text_only
+
+    if model in DEMOS:
+        raise text_only(f"the {model} model")
+    from core.loading import _resolve_source, load_config
+
+    source, local_only = _resolve_source(model, None, None)
+    if getattr(load_config(source, local_only), "vision_config", None) is None:
+        raise text_only(model)
 
 
 def run(args: Any, say: Any) -> int:
@@ -183,6 +258,14 @@ def run(args: Any, say: Any) -> int:
 
         raise UserError(f"--prompts must be between 1 and {len(ex.PAPER_PROMPTS)}")
     dtypes = list(args.dtypes.split(","))
+    image = None
+    if args.image is not None:
+        from core.images import read_image
+        from resources import sample_image_path
+
+        image = sample_image_path() if args.image == "sample" else args.image
+        read_image(image)  # a bad file fails before any run
+        _image_model_check(args.model)
     records = ex.run_grid(args.model, out, ex.grid(prompts, dtypes, []), args.max_new_tokens,
                           args.device, say)
     num_layers = int(next(iter(records.values()))["model"]["num_layers"])
@@ -190,6 +273,9 @@ def run(args: Any, say: Any) -> int:
                     else ex.default_sweep(num_layers))
     records.update(ex.run_grid(args.model, out, ex.grid(0, dtypes, sweep_layers),
                                args.max_new_tokens, args.device, say))
+    if image is not None:
+        records.update(ex.run_grid(args.model, out, ex.image_grid(dtypes), args.max_new_tokens,
+                                   args.device, say, image=image))
     rows = ex.summary(records, dtypes, prompts)
     report = write_reproduction(out, args.model, records, rows,
                                 ex.sweep_rows(records, sweep_layers), dtypes, prompts)

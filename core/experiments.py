@@ -28,6 +28,9 @@ PAPER_PROMPTS = (
 )
 DTYPES = ("float32", "bfloat16")
 METHODS = ("direct", "stable")
+#: the paper's image run (Figure 5): a picture in the context, described in ten words; the
+#: prompt's exact text is unknown (PAPER.md section 6), this is its stated request
+IMAGE_QUERY = "Describe this image in 10 words."
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,7 @@ class Job:
     name: str  # file stem under runs/
     dtype: str
     method: str
-    prompt: int  # index into the prompts
+    prompt: int  # index into the prompts (-1: the image run)
     layers: str = "all"
 
 
@@ -44,6 +47,11 @@ def grid(prompts: int, dtypes: Sequence[str], sweep: Sequence[int]) -> list[Job]
             for p in range(prompts)]
     jobs += [Job(f"sweep-s{s}", dtypes[0], "direct", 0, f"{s}:") for s in sweep]
     return jobs
+
+
+def image_grid(dtypes: Sequence[str]) -> list[Job]:
+    """Figure 5: the image run, both methods in each precision."""
+    return [Job(f"image-{d}-{m}", d, m, -1) for d in dtypes for m in METHODS]
 
 
 def _saved(path: Path) -> dict[str, Any] | None:
@@ -57,8 +65,9 @@ def _saved(path: Path) -> dict[str, Any] | None:
 
 def run_grid(model: str, out: Path, jobs: Sequence[Job], tokens: int, device: str = "auto",
              say: Callable[[str], None] = print, should_stop: Callable[[], bool] | None = None,
-             ) -> dict[str, dict[str, Any]]:
-    """Run (or reuse) every job; returns {job name: record}."""
+             image: str | None = None) -> dict[str, dict[str, Any]]:
+    """Run (or reuse) every job; returns {job name: record}. Image jobs put ``image`` in the
+    context of a chat-template prompt (the model's processor makes its tokens)."""
     from transformers.utils import logging as hf_logging
 
     from core.compare import Settings, iter_token_patches
@@ -84,13 +93,28 @@ def run_grid(model: str, out: Path, jobs: Sequence[Job], tokens: int, device: st
             loaded = load_model(model, dtype=job.dtype, device=device)
         settings = Settings(max_new_tokens=tokens, method=job.method, absorb="all",
                             layers=job.layers)
-        prompt = build_prompt(loaded.tokenizer, "", PAPER_PROMPTS[job.prompt])
+        if job.prompt < 0:
+            from core.images import read_image
+
+            if image is None:
+                raise UserError("the image runs need a picture")
+            from core.prompt import has_chat_template
+
+            query = IMAGE_QUERY  # in the chat template when the model has one (instruct models)
+            prompt = build_prompt(loaded.tokenizer, "", query,
+                                  chat_template=has_chat_template(loaded.tokenizer,
+                                                                  loaded.processor),
+                                  image=read_image(image), processor=loaded.processor)
+        else:
+            query = PAPER_PROMPTS[job.prompt]
+            prompt = build_prompt(loaded.tokenizer, "", query)
         steps = list(iter_token_patches(loaded, prompt, settings, should_stop))
         if len(steps) < tokens:
             raise KeyboardInterrupt  # stopped: keep what is saved, redo this run next time
         record = run_record(loaded.describe(), prompt, settings, steps,
                             {"model": model, "dtype": job.dtype, "context": "",
-                             "query": PAPER_PROMPTS[job.prompt], "prompt_index": job.prompt + 1})
+                             "query": query, "prompt_index": job.prompt + 1,
+                             "image": image if job.prompt < 0 else None})
         record["controllability"] = record_section(plan(loaded, settings), steps)
         record["max_abs_scale_patch"] = max_scale_patch(record)
         write_json(path, record)

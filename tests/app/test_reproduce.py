@@ -40,3 +40,31 @@ def test_reproduce_rejects_bad_options(tmp_path: Path, capsys: Any) -> None:
     assert "unknown dtype 'float8'" in capsys.readouterr().err
     assert main(["reproduce", "--prompts", "9", "--out", str(tmp_path)]) == 2
     assert "--prompts must be between 1 and 5" in capsys.readouterr().err
+
+
+def test_reproduce_adds_the_image_run(qtbot: Any, tmp_path: Path, capsys: Any) -> None:
+    """``--image`` adds Figure 5: the bundled picture in the context of an image+text model,
+    both methods in each precision, one plot and a table in the report."""
+    from tiny import save_tiny_image_folder
+
+    model = str(save_tiny_image_folder(tmp_path / "model", "gemma3"))
+    out = tmp_path / "out"
+    assert main(["reproduce", "--model", model, "--out", str(out), "--prompts", "1",
+                 "--max-new-tokens", "3", "--sweep", "0", "--image"]) == 0
+    runs = sorted(p.stem for p in (out / "runs").glob("image-*.json"))
+    assert runs == sorted(f"image-{d}-{m}" for d in ("float32", "bfloat16")
+                          for m in ("direct", "stable"))
+    record = json.loads((out / "runs" / "image-float32-direct.json").read_text())
+    assert record["prompt"]["image"]["path"].endswith("sample.png")
+    assert record["summary"]["patched"]["matches"] == 3
+    report = (out / "report.html").read_text()
+    assert "Figure 5: a picture in the context" in report
+    assert (out / "plots" / "figure5.png").is_file()
+
+
+def test_reproduce_image_run_needs_an_image_text_model(tiny_model_dir: str, tmp_path: Path,
+                                                       capsys: Any) -> None:
+    assert main(["reproduce", "--model", tiny_model_dir, "--out", str(tmp_path), "--image"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "reads text only" in err[0]
+    assert not (tmp_path / "runs").exists()  # refused before any run
