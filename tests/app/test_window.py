@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from PySide6.QtCore import Qt
+from windows import open_window, run_to_end
 
 from app.main_window import MainWindow
 
@@ -16,19 +17,11 @@ LAYERS = 4  # tests/tiny.py llama_config
 
 @pytest.fixture
 def window(qtbot: Any, keep: Any, settings: Any, tiny_model_dir: str) -> MainWindow:
-    w = MainWindow(model=tiny_model_dir, settings=settings, autoload=False)
-    keep(w)
-    w.input_panel.context.setPlainText("Alice lives in Paris.")
-    w.input_panel.query.setPlainText("Where does Alice live?")
-    w.input_panel.max_tokens.setValue(N)
-    w.show()
-    return w
+    return open_window(keep, settings, tiny_model_dir, "Alice lives in Paris.",
+                       "Where does Alice live?", N)
 
 
-def _run(qtbot: Any, w: MainWindow, timeout: int = 60_000) -> str:
-    with qtbot.waitSignal(w.run_finished, timeout=timeout) as blocker:
-        w.start_run()
-    return str(blocker.args[0])
+_run = run_to_end
 
 
 def test_a_run_fills_both_panes_and_the_plots(qtbot: Any, window: MainWindow) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from PySide6.QtCore import QMimeData, QPointF, Qt, QUrl
 from PySide6.QtGui import QDropEvent
+from windows import open_window, run_to_end
 
 from app.main_window import MainWindow
 from resources import presets, sample_image_path
@@ -23,18 +24,10 @@ def image_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _window(keep: Any, settings: Any, model: str) -> MainWindow:
-    w = MainWindow(model=model, settings=settings, autoload=False)
-    keep(w)
-    w.input_panel.query.setPlainText("Hello world!")
-    w.input_panel.max_tokens.setValue(N)
-    w.show()
-    return w
+    return open_window(keep, settings, model, query="Hello world!", tokens=N)
 
 
-def _run(qtbot: Any, w: MainWindow) -> str:
-    with qtbot.waitSignal(w.run_finished, timeout=60_000) as blocker:
-        w.start_run()
-    return str(blocker.args[0])
+_run = run_to_end
 
 
 def _drop(w: MainWindow, path: str) -> None:
