@@ -30,7 +30,8 @@ def _one_line_and_recovers(qtbot: Any, w: MainWindow, says: str, good_model: str
     assert says in w.last_error, w.last_error
     assert "\n" not in w.last_error and "Traceback" not in w.last_error
     assert w.banner.isVisible() and w.input_panel.run.isEnabled()
-    assert (w.input_panel.context.toPlainText(), w.input_panel.query.toPlainText()) == (context, query)
+    typed = (w.input_panel.context.toPlainText(), w.input_panel.query.toPlainText())
+    assert typed == (context, query)
     w.model_panel.model.setCurrentText(good_model)
     w.input_panel.query.setPlainText("Where does Alice live?")
     assert _run(qtbot, w) == "completed", w.last_error
