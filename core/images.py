@@ -18,7 +18,7 @@ from core.errors import UserError
 
 #: image+text model types whose language model is one of our adapters' families, and which are
 #: tested (tiny random models in float64). Others with a vision tower are refused by name
-#: (Qwen2-VL's and SmolVLM2's processors need torchvision for their video processors).
+#: (Qwen2-VL's, SmolVLM2's and Mistral 3's processors need torchvision).
 IMAGE_TEXT_TYPES: dict[str, str] = {
     "gemma3": "Gemma 3 (Gemma3ForConditionalGeneration)",
     "llava": "LLaVA (LlavaForConditionalGeneration: Llama, Mistral or Qwen language model)",
