@@ -90,3 +90,20 @@ def test_an_image_for_a_text_only_model_is_a_message(qtbot: Any, keep: Any, sett
     assert "reads text only" in w.input_panel.image_label.text() or w.input_panel.image_path
     w.input_panel.set_image("")
     assert _run(qtbot, w) == "completed", w.last_error
+
+
+def test_an_image_run_reopens_from_a_session(qtbot: Any, keep: Any, settings: Any,
+                                             image_model_dir: str, tmp_path: Any) -> None:
+    w = _window(keep, settings, image_model_dir)
+    w.input_panel.set_image(sample_image_path())
+    assert _run(qtbot, w) == "completed", w.last_error
+    path = str(tmp_path / "session.json")
+    assert w.save_session(path)
+    other = _window(keep, settings, image_model_dir)
+    other.input_panel.set_image("")
+    assert other.open_session(path)
+    assert other.input_panel.image_path == sample_image_path()  # the input comes back
+    assert len(other.state.steps) == N  # the run, reopened without recomputing
+    recorded = w.current_record()["prompt"]["image"]["sha256"]
+    assert other.state.started.prompt.image.sha256 == recorded
+    assert "<img" in other.generation.baseline.view.toHtml()
