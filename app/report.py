@@ -173,23 +173,20 @@ THUMBNAIL = "context-image"
 
 def thumbnail(run: Run, size: int = 256) -> bytes | None:
     """A PNG thumbnail of the run's context image, when the file is still there unchanged."""
-    import hashlib
     import io
 
-    info = run.record.get("prompt", {}).get("image")
-    if not info or not Path(info["path"]).is_file():
-        return None
-    data = Path(info["path"]).read_bytes()
-    if hashlib.sha256(data).hexdigest() != info.get("sha256"):
-        return None
-    from PIL import Image
+    from core.images import ImageInfo, reopen
 
-    with Image.open(io.BytesIO(data)) as im:
-        im.seek(0)
-        small = im.convert("RGB")
-        small.thumbnail((size, size))
-        out = io.BytesIO()
-        small.save(out, "PNG")
+    info = run.record.get("prompt", {}).get("image")
+    if not info:
+        return None
+    try:
+        image, _ = reopen(ImageInfo.from_dict(info))
+    except (UserError, KeyError):  # gone, changed or unreadable: the report says so instead
+        return None
+    image.thumbnail((size, size))
+    out = io.BytesIO()
+    image.save(out, "PNG")
     return out.getvalue()
 
 

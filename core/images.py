@@ -10,6 +10,7 @@ full-context run sees them with the pixels, the reduced run has neither.
 from __future__ import annotations
 
 import hashlib
+import io
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -60,9 +61,9 @@ def read_image(path: str | Path) -> tuple[Any, ImageInfo]:
         raise UserError(f"no such image file: {path}")
     if not p.is_file():
         raise UserError(f"{path} is a folder, not an image: give a PNG, JPEG, WebP or GIF file")
-    data = p.read_bytes()
+    data = p.read_bytes()  # read once: hashed, then decoded
     try:
-        with Image.open(p) as im:
+        with Image.open(io.BytesIO(data)) as im:
             fmt = im.format or "?"
             if fmt not in FORMATS:
                 raise UserError(f"{path} is a {fmt} image: use a PNG, JPEG, WebP or GIF file")
@@ -77,6 +78,24 @@ def read_image(path: str | Path) -> tuple[Any, ImageInfo]:
                         "GIF file") from None
     info = ImageInfo(str(p.resolve()), hashlib.sha256(data).hexdigest(), rgb.width, rgb.height, fmt)
     return rgb, info
+
+
+def reopen(info: ImageInfo, path: str | None = None, what: str = "these patches"
+           ) -> tuple[Any, ImageInfo]:
+    """The recorded picture again: at its recorded path, or at ``path``, checked by its hash.
+
+    Raises:
+        UserError: the file is gone (and no ``path`` was given), unreadable, or another picture.
+    """
+    if path is None and not Path(info.path).is_file():
+        raise UserError(f"{what} were made with the image {info.path}, which is gone: "
+                        "pass --image FILE with the same picture")
+    where = path or info.path
+    image, found = read_image(where)
+    if found.sha256 != info.sha256:
+        raise UserError(f"{where} is not the image {what} were made with (sha256 "
+                        f"{found.sha256[:12]}..., recorded {info.sha256[:12]}...)")
+    return image, found
 
 
 def image_marker(processor: Any) -> str:

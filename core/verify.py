@@ -128,23 +128,12 @@ def recorded_image(pf: PatchFile, path: str | None = None) -> tuple[Any, Any] | 
     """The picture a patches file was made with (its recorded path, or ``path`` instead), read
     and checked against the recorded hash; None when it was made without one. Needs no model,
     so a missing picture fails before the model loads."""
-    from core.images import ImageInfo, read_image
+    from core.images import ImageInfo, read_image, reopen
 
     recorded = json.loads(pf.metadata["image"]) if pf.metadata.get("image") else None
-    if recorded is None and path is None:
-        return None
-    info = ImageInfo.from_dict(recorded) if recorded is not None else None
-    if path is None:
-        assert info is not None
-        if not Path(info.path).is_file():
-            raise UserError(f"these patches were made with the image {info.path}, which is gone: "
-                            "pass --image FILE with the same picture")
-        path = info.path
-    image, found = read_image(path)
-    if info is not None and found.sha256 != info.sha256:
-        raise UserError(f"{path} is not the image these patches were made with (sha256 "
-                        f"{found.sha256[:12]}..., recorded {info.sha256[:12]}...)")
-    return image, found
+    if recorded is None:
+        return None if path is None else read_image(path)
+    return reopen(ImageInfo.from_dict(recorded), path)
 
 
 def image_pixels(loaded: LoadedModel, picture: tuple[Any, Any] | None) -> dict[str, Any] | None:
