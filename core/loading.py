@@ -259,7 +259,7 @@ def load_model(
     placement = placement or Placement()
     placement.validate()
     torch_device = resolve_device(device)
-    if placement.device_map is not None:
+    if placement.offload_folder:  # (read the weights' size only when disk space matters)
         from core.footprint import estimate
 
         found = estimate(spec, dtype)

@@ -112,11 +112,6 @@ class Placement:
         chosen.validate()
         return chosen
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"device_map": self.device_map,
-                "max_memory": {str(k): v for k, v in self.max_memory.items()},
-                "offload_folder": self.offload_folder}
-
 
 def no_fit(exc: Exception) -> UserError | None:
     """accelerate's "needs an offload folder" failure as one line, or None for other errors."""
