@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -28,11 +29,10 @@ MARS = ("Write a single-sentence weather forecast for Mars, from the perspective
         "annoyed robot:")
 
 
-def _half_budget(spec: str, dtype: str) -> int:
-    """Memory for everything but the second half of the layers."""
+def _half_budget(whole: Any) -> int:
+    """Memory for everything but the second half of the layers (of the model loaded whole)."""
     from accelerate.utils import compute_module_sizes
 
-    whole = load_model(spec, dtype=dtype, device="cpu").model
     sizes = compute_module_sizes(whole)
     n = len([k for k in sizes if k.count(".") == 2 and k.startswith("model.layers.")])
     layer = sizes["model.layers.0"]
@@ -59,8 +59,10 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    rows = {"resident": _run(load_model(args.model, dtype=args.dtype), args.tokens)}
-    budget = _half_budget(args.model, args.dtype)
+    resident = load_model(args.model, dtype=args.dtype)
+    budget = _half_budget(resident.model)
+    rows = {"resident": _run(resident, args.tokens)}
+    del resident  # its memory back before the placed loads
     with tempfile.TemporaryDirectory() as folder:
         memory = {"cpu": budget} if not torch.cuda.is_available() else {0: budget, "cpu": 0}
         rows["half on disk"] = _run(load_model(args.model, dtype=args.dtype, placement=Placement(

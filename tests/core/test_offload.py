@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from tiny import gemma3_config, save_tiny_folder, tiny_config
 
 from core.compare import Settings, iter_token_patches
@@ -27,11 +28,10 @@ def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return Path(save_tiny_folder(tmp_path_factory.mktemp(f"offload-{request.param}"), config))
 
 
-def _budget(folder: Path) -> int:
+def _budget(whole: torch.nn.Module) -> int:
     """CPU memory for the embedding, the head and about a third of the layers (float64)."""
     from accelerate.utils import compute_module_sizes
 
-    whole = load_model(str(folder), dtype="float64", device="cpu").model
     sizes = compute_module_sizes(whole)
     layer = sizes["model.layers.0"]
     return int(sizes[""] - sizes["model.layers"] + 2.5 * layer)
@@ -42,7 +42,7 @@ def pair(folder: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignor
     whole = load_model(str(folder), dtype="float64", device="cpu")
     offload = tmp_path_factory.mktemp("offload-folder")
     placed = load_model(str(folder), dtype="float64", placement=Placement(
-        "auto", {"cpu": _budget(folder)}, str(offload)))
+        "auto", {"cpu": _budget(whole.model)}, str(offload)))
     return whole, placed
 
 
@@ -140,14 +140,14 @@ def test_the_memory_estimate_counts_weights_and_the_run_caches(folder: Path) -> 
     assert "KV caches per 1,000 tokens" in fp.describe()
 
 
-def test_command_line_placement(capsys: pytest.CaptureFixture[str], folder: Path,
+def test_command_line_placement(capsys: pytest.CaptureFixture[str], folder: Path, pair,  # type: ignore[no-untyped-def]
                                 tmp_path: Path) -> None:
     from app.cli import main
 
     argv = ["compare", "--model", str(folder), "--context", CONTEXT, "--query", QUERY,
             "--max-new-tokens", "3", "--quiet", "--dtype", "float64",
             "--json", str(tmp_path / "r.json")]
-    assert main([*argv, "--device-map", "auto", "--max-memory", f"cpu={_budget(folder)}",
+    assert main([*argv, "--device-map", "auto", "--max-memory", f"cpu={_budget(pair[0].model)}",
                  "--offload-folder", str(tmp_path / "off")]) == 0
     assert "token match 3/3" in capsys.readouterr().out
     import json
