@@ -99,7 +99,7 @@ class QtGenerationPanel(QWidget):
 
         segments = started.prompt.segments
         image = started.prompt.image
-        name = image.path.replace("\\", "/").rsplit("/", 1)[-1] if image is not None else ""
+        name = Path(image.path).name if image is not None else ""
 
         picture = ""
         if image is not None and Path(image.path).is_file():  # a thumbnail, drawn by Qt
@@ -114,7 +114,8 @@ class QtGenerationPanel(QWidget):
 
         full = "".join(grey(seg.kind, seg.text) for seg in segments)
         if started.settings.get("absorb") == "all":
-            return full, '<span style="color:gray"><i>[the whole prompt is in the patches]</i> </span>'
+            note = "<i>[the whole prompt is in the patches]</i> "
+            return full, f'<span style="color:gray">{note}</span>'
         return full, "".join(grey(seg.kind, seg.text) for seg in segments
                              if seg.kind not in ABSORBED)
 
