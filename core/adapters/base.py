@@ -46,6 +46,8 @@ class LayerSites:
     #                                   (z, top_k_index, top_k_weights)
     branch_scale: float = 1.0  # T = v + branch_scale * branch (Granite's residual_multiplier)
     parallel: bool = False  # attention and MLP read the same layer input (GPT-J, Falcon 7B)
+    mixer: str = "attention"  # the token mixer before the MLP: "attention", "linear attention"
+    #                           or "state-space" (named in the controllability report)
 
 
 @dataclass(frozen=True)
