@@ -139,6 +139,16 @@ TINY: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# the 2025-26 families (issue 17), one file per group, merged into TINY (they import nothing
+# from here: each holds only a dict of the same shape)
+import tiny_dense  # noqa: E402
+import tiny_hybrid  # noqa: E402
+import tiny_moe  # noqa: E402
+
+for _group in (tiny_dense, tiny_moe, tiny_hybrid):
+    TINY.update(_group.FAMILIES)
+
+
 def tiny_config(name: str, vocab: int = 320) -> Any:
     """A tiny config of one of the `TINY` families."""
     from transformers import AutoConfig
