@@ -249,7 +249,13 @@ def run_compare(args: argparse.Namespace) -> int:
     loaded = _load(args, args.dtype, say)
     prompt = build_prompt(loaded.tokenizer, args.context, args.query, args.chat_template,
                           image=picture, processor=loaded.processor)
-    from core.controllability import outcome, plan, record_section, summary_lines
+    from core.controllability import (
+        conditioning_line,
+        outcome,
+        plan,
+        record_section,
+        summary_lines,
+    )
 
     plans = plan(loaded, settings)
     for line in summary_lines(plans):
@@ -269,6 +275,7 @@ def run_compare(args: argparse.Namespace) -> int:
     record["summary"]["seconds"]["wall"] = elapsed
     record["controllability"] = record_section(plans, steps)
     say(summary_lines(plans, outcome(steps, plans))[-1])
+    say(conditioning_line(record["summary"]["conditioning"]))
     if args.verify:
         record["verification"] = _verify_run(loaded, steps, settings, args.dtype, say,
                                              prompt.pixels)
@@ -378,7 +385,7 @@ def _verify_run(loaded: Any, steps: list[Any], settings: Any, dtype: str, say: _
     from core.verify import patches_of_steps, verify_patches
 
     checks = verify_patches(loaded, patches_of_steps(steps, settings.scope),
-                            progress=lambda d, t: say("verified step", d, t), pixels=pixels)
+                            progress=lambda d, t: say("checking step", d, t), pixels=pixels)
     tol = _tolerance(dtype)
     ok, matches, worst = _verdict(checks, tol)
     say(f"{'verified' if ok else 'verification FAILED'}: {matches}/{len(checks)} tokens match "
@@ -388,6 +395,7 @@ def _verify_run(loaded: Any, steps: list[Any], settings: Any, dtype: str, say: _
 
 
 def run_verify(args: argparse.Namespace) -> int:
+    from core.controllability import conditioning_line
     from core.verify import image_pixels, read_patches, recorded_image, verify_patches
 
     say = _Progress(False)
@@ -399,7 +407,8 @@ def run_verify(args: argparse.Namespace) -> int:
     picture = recorded_image(pf, args.image)
     loaded = _load(args, dtype, say)
     pixels = image_pixels(loaded, picture)
-    checks = verify_patches(loaded, pf, progress=lambda d, t: say(f"verified step {d}", d, t),
+    say(conditioning_line(pf.conditioning))
+    checks = verify_patches(loaded, pf, progress=lambda d, t: say("checking step", d, t),
                             pixels=pixels)
     tol = _tolerance(dtype, args.tolerance)
     ok, matches, worst = _verdict(checks, tol)
@@ -409,6 +418,7 @@ def run_verify(args: argparse.Namespace) -> int:
         from core.export import write_json
 
         write_json(args.json, {"ok": ok, "tolerance": tol if tol != float("inf") else None,
+                               "conditioning": pf.conditioning,
                                "steps": [asdict(c) for c in checks]})
     print(f"{'verified' if ok else 'verification FAILED'}: {matches}/{len(checks)} tokens match, "
           f"max L-inf {max((c.linf for c in checks), default=0.0):.3g} "

@@ -52,11 +52,7 @@ def fill_state(state: RunState, run: Run) -> RunState:
     """Replay a finished run into a `RunState` (its views update as in a live run)."""
     layers = sorted({layer for s in run.steps for layer in s.patch_norms}) or sorted(
         {layer for s in run.steps for layer in s.layer_info})
-    from core.controllability import LayerPlan
-
-    plans = run.record.get("controllability", {}).get("plan", [])
-    plan = tuple(LayerPlan(**{k: tuple(v) if isinstance(v, list) else v for k, v in p.items()})
-                 for p in plans)
+    plan = _plans(run)
     state.reset(RunStarted(settings=run.settings, prompt=run.prompt, layers=tuple(layers),
                            num_layers=int(run.model.get("num_layers", len(layers))),
                            control=str(plan[0].control if plan else
@@ -201,6 +197,37 @@ def _image_html(run: Run, images: dict[str, str]) -> str:
     return f"<p><img src=\"{_esc(images[THUMBNAIL])}\"><br>{_esc(caption)}</p>"
 
 
+def _plans(run: Run) -> tuple[Any, ...]:
+    from core.controllability import LayerPlan
+
+    plans = run.record.get("controllability", {}).get("plan", [])
+    return tuple(LayerPlan(**{k: tuple(v) if isinstance(v, list) else v for k, v in p.items()})
+                 for p in plans)
+
+
+def _controllability_html(run: Run) -> str:
+    """The conditioning line and, per patched layer, its mixer, controls and what happened."""
+    from app.panels.control_panel import run_cell
+    from app.state import param_key
+    from core.controllability import conditioning_line, outcome
+
+    line = conditioning_line(run.record.get("summary", {}).get("conditioning"))
+    plans = _plans(run)
+    if not plans:
+        return f"<p>{_esc(line)}</p>"
+    result = outcome(run.steps, plans)
+
+    def short(names: tuple[str, ...], layer: int) -> str:
+        return ", ".join(param_key(n, layer) for n in names) or "—"
+
+    rows = [(p.layer, p.mixer, short(p.inputs, p.layer), short(p.outputs, p.layer),
+             f"{result[p.layer]['max_entry_ratio']:.3g}", run_cell(result[p.layer]))
+            for p in plans]
+    head = ("layer", "mixer", "input control", "output control", "largest entry / weight's",
+            "this run")
+    return f"<p>{_esc(line)}</p>{_table(rows, head)}"
+
+
 def report_html(run: Run, images: dict[str, str]) -> str:
     """The report's HTML; ``images`` maps each plot name (and the context image's thumbnail,
     `THUMBNAIL`) to its ``src`` (data URI or file)."""
@@ -256,6 +283,8 @@ patches. Made by ctxpatch {_esc(__version__)} on
 {_table(metrics, ("", "patched (no context)", "control (no context, unpatched)"))}
 <p>Faults over all layers and steps: {_esc(', '.join(f'{k} {v}' for k, v in faults.items()))}.
 Time: {_esc(', '.join(f'{k} {_fmt(v)} s' for k, v in seconds.items()))}.</p>
+<h2>Controllability and conditioning</h2>
+{_controllability_html(run)}
 <h2>Verification</h2>
 {verify_html}
 <h2>Plots</h2>

@@ -34,7 +34,7 @@ from core.loading import LoadedModel
 from core.offload import resident
 from core.patches import Delta, Rank1
 from core.prompt import ABSORB_MODES, Prompt, check_prompt, reduced_sequence
-from core.results import NO_CONTROL, Side, StepResult, TopK, summarize
+from core.results import ENTRY_BOUND, NO_CONTROL, Side, StepResult, TopK, summarize
 
 METHODS = ("direct", "stable")
 SCOPES = ("all-positions", "query")
@@ -163,15 +163,16 @@ def _side(tokenizer: Any, logits: torch.Tensor, base: torch.Tensor, base_probs: 
 
 
 class _Norms:
-    """Parameter norms, computed once per run, for relative patch norms."""
+    """Parameter norms and largest entries, computed once per run, for relative patch sizes."""
 
     def __init__(self, model: torch.nn.Module, norm_offset: float, scale_names: set[str]) -> None:
         self.modules = dict(model.named_modules())
         self.offset, self.scale_names = norm_offset, scale_names
-        self.cache: dict[str, float] = {}
+        self.cache: dict[str, tuple[float, float]] = {}
 
-    def of(self, name: str) -> float:
-        """The norm of a parameter, or of slice ``e`` for a name ``param[e]`` (MoE experts)."""
+    def of(self, name: str) -> tuple[float, float]:
+        """(norm, largest absolute entry) of a parameter, or of slice ``e`` for a name
+        ``param[e]`` (MoE experts); a post-norm scale counts as ``m = offset + weight``."""
         if name not in self.cache:
             base, _, index = name.partition("[")
             owner, _, leaf = base.rpartition(".")
@@ -179,40 +180,53 @@ class _Norms:
             p = (p[int(index.rstrip("]"))] if index else p).double()
             if name in self.scale_names:
                 p = p + self.offset  # relative to the effective scale m = offset + weight
-            self.cache[name] = float(p.norm())
+            self.cache[name] = (float(p.norm()), float(p.abs().max()) if p.numel() else 0.0)
         return self.cache[name]
 
 
+def _ratio(x: float, ref: float) -> float:
+    return x / ref if ref else (0.0 if x == 0 else math.inf)
+
+
 def _patch_norms(lp: LayerPatch, norms: _Norms) -> dict[str, dict[str, float]]:
+    """Per patched parameter: its norms, ``relative`` (norm over the parameter's norm) and
+    ``entry_ratio`` (largest patch entry over the parameter's largest entry: what decides
+    whether the patched weights survive rounding in their own precision)."""
     out: dict[str, dict[str, float]] = {}
     for name, patch in lp.patches.items():
-        ref = norms.of(name)
+        ref, ref_max = norms.of(name)
         if isinstance(patch, Rank1):
             fro = patch.frobenius()
-            out[name] = {"frobenius": fro, "relative": fro / ref if ref else math.inf}
+            top = float(patch.u.abs().max() * patch.a.abs().max())
+            out[name] = {"frobenius": fro, "relative": _ratio(fro, ref),
+                         "entry_ratio": _ratio(top, ref_max)}
         else:
             l2 = float(patch.delta.norm())
-            out[name] = {
-                "l2": l2,
-                "linf": float(patch.delta.abs().max()),
-                "relative": l2 / ref if ref else math.inf,
-            }
+            linf = float(patch.delta.abs().max())
+            out[name] = {"l2": l2, "linf": linf, "relative": _ratio(l2, ref),
+                         "entry_ratio": _ratio(linf, ref_max)}
     return out
 
 
 def _patch_arrays(lps: dict[int, LayerPatch], transposed: bool) -> dict[str, np.ndarray]:
-    """Patch vectors as float32 arrays named for the patches file, in the parameter's stored
-    orientation (``u`` along ``shape[0]``; Conv1D-style weights are stored (in, out))."""
+    """Patch vectors as arrays named for the patches file, in the parameter's stored orientation
+    (``u`` along ``shape[0]``; Conv1D-style weights are stored (in, out)): float64 for a float64
+    run, float32 otherwise (the precision the run computed them in)."""
     arrays: dict[str, np.ndarray] = {}
+
+    def host(x: torch.Tensor) -> np.ndarray:
+        return x.detach().to(torch.float64 if x.dtype == torch.float64 else torch.float32
+                             ).cpu().numpy()
+
     for lp in lps.values():
         for name, patch in lp.patches.items():
             if isinstance(patch, Rank1):
                 out, inp = patch.u, patch.a
                 first, second = (inp, out) if transposed else (out, inp)
-                arrays[f"{name}.u"] = first.detach().float().cpu().numpy()
-                arrays[f"{name}.v"] = second.detach().float().cpu().numpy()
+                arrays[f"{name}.u"] = host(first)
+                arrays[f"{name}.v"] = host(second)
             elif isinstance(patch, Delta):
-                arrays[f"{name}.delta"] = patch.delta.detach().float().cpu().numpy()
+                arrays[f"{name}.delta"] = host(patch.delta)
     return arrays
 
 
@@ -298,7 +312,8 @@ def iter_token_patches(
         last_only=settings.scope == "query",
         disabled=settings.disabled,
         norm_offset=adapter.norm_offset,
-        stored_dtype=torch.float32 if settings.keep_patches else None,
+        # kept patches are saved in float32 unless the run is float64 (patches format /2)
+        stored_dtype=torch.float32 if settings.keep_patches and dtype != torch.float64 else None,
     )
     scale_names = {f"{names[id(s.out_norm)]}.weight" for s in sites.values() if s.out_norm is not None}
     norms = _Norms(model, adapter.norm_offset, scale_names)
@@ -359,8 +374,8 @@ def iter_token_patches(
                     full_input_ids=tuple(full + history),
                     reduced_input_ids=tuple(red_ids),
                     reduced_position_ids=tuple(red_pos) if red_pos is not None else None,
-                    patch_norms={i: _patch_norms(lp, norms) for i, lp in lps.items()},
-                    layer_info={i: _layer_info(lp) for i, lp in lps.items()},
+                    patch_norms=(pn := {i: _patch_norms(lp, norms) for i, lp in lps.items()}),
+                    layer_info={i: _layer_info(lp, pn[i]) for i, lp in lps.items()},
                     seconds={"baseline": t1 - t0, "patched": t2 - t1, "control": t3 - t2},
                     patches=_patch_arrays(lps, adapter.transposed) if settings.keep_patches else None,
                 )
@@ -390,8 +405,11 @@ def _check_finite(step: int, base: torch.Tensor, patched: torch.Tensor, ctrl: to
         raise UserError(f"{where}: the unpatched control's logits are NaN or infinite {hint}")
 
 
-def _layer_info(lp: LayerPatch) -> dict[str, Any]:
+def _layer_info(lp: LayerPatch, norms: dict[str, dict[str, float]]) -> dict[str, Any]:
+    ratio = max((v["entry_ratio"] for v in norms.values()), default=0.0)
     return {
+        "entry_ratio": ratio,
+        "unbounded": ratio > ENTRY_BOUND,
         "shift_norm": lp.shift_norm,
         "block_error": lp.block_error,
         "div_by_one": lp.div_by_one,

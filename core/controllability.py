@@ -41,6 +41,8 @@ class LayerPlan:
     conditions: tuple[str, ...]
     warnings: tuple[str, ...]
     frozen_bound: float | None  # section 7 bound when the post-norm scale is frozen
+    mixer: str = "attention"  # the token mixer before the MLP (attention, linear attention,
+    #                           state-space)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -87,8 +89,10 @@ def plan(loaded: LoadedModel, settings: Settings) -> list[LayerPlan]:
             zeros = int((m == 0).sum())
             if zeros:
                 warnings.append(f"the scale m has {zeros} exact zero(s)"
-                                + (": the stable remainder divides by ~0 there"
-                                   if settings.method == "stable" else ""))
+                                + (": the stable update aims the down patch away from them"
+                                   if settings.method == "stable" else
+                                   ": the direct update's dm = dv / N(h) is large there "
+                                   "(method 'stable' bounds it)"))
             if settings.method == "stable" and s.out_matrix is not None:
                 outputs.insert(0, f"{names[id(s.out_matrix)]}.weight")
             if frozen:
@@ -107,7 +111,7 @@ def plan(loaded: LoadedModel, settings: Settings) -> list[LayerPlan]:
             outputs = []
             warnings.append("output control frozen: the attention shift is not absorbed here")
         plans.append(LayerPlan(i, tuple(inputs), tuple(outputs), control, tuple(conditions),
-                               tuple(warnings), bound))
+                               tuple(warnings), bound, s.mixer))
     return plans
 
 
@@ -126,6 +130,10 @@ def outcome(steps: Sequence[StepResult], plans: Sequence[LayerPlan]) -> dict[int
             "div_by_one_coordinates": sum(int(i.get("div_by_one", 0)) for i in infos),
             "hard_case": sum(bool(i.get("hard_case")) for i in infos),
             "max_shift": max(shifts, default=0.0),
+            "max_entry_ratio": max((float(i.get("entry_ratio", 0.0)) for i in infos),
+                                   default=0.0),
+            "unbounded_steps": [s.step for s, i in zip(steps, infos, strict=True)
+                                if i.get("unbounded")],
         }
         if p.frozen_bound is not None:
             row["bound"] = p.frozen_bound
@@ -142,13 +150,43 @@ def record_section(plans: Sequence[LayerPlan], steps: Sequence[StepResult]
             "outcome": {str(k): v for k, v in outcome(steps, plans).items()}}
 
 
+def conditioning_line(cond: dict[str, Any] | None) -> str:
+    """One line on a run's conditioning (`core.results.conditioning`), for the command line,
+    verify and the reports: the largest scale patch, the largest patch entry relative to its
+    weight's, and where the bound does not hold."""
+    if not cond:
+        return "conditioning: not recorded"
+    parts = []
+    dm = cond.get("max_abs_scale_patch")
+    if dm is not None:
+        at = cond.get("max_abs_scale_patch_at") or {}
+        where = f" (token {at['step'] + 1}, layer {at['layer']})" if at else ""
+        parts.append(f"max |dm| {dm:.3g}{where}")
+    parts.append(f"largest patch entry {cond.get('max_entry_ratio', 0.0):.3g}x its weight's "
+                 f"largest")
+    if cond.get("hard_case_steps"):
+        parts.append(f"stable hard case at {cond['hard_case_layers']} layer-step(s) over "
+                     f"{cond['hard_case_steps']} token(s)")
+    n = cond.get("unbounded_layers", 0)
+    if n:
+        tail = (f"unbounded (over {cond.get('bound', 100):g}x) at {n} layer-step(s) over "
+                f"{cond.get('unbounded_steps', 0)} token(s): exact as rank-1 actions, but "
+                "written into weights of this precision they amplify its rounding "
+                "(method 'stable' bounds post-norm scale patches)")
+    else:
+        tail = f"bounded (within {cond.get('bound', 100):g}x) at every layer and token"
+    return "conditioning: " + ", ".join(parts) + "; " + tail
+
+
 def summary_lines(plans: Sequence[LayerPlan], result: dict[int, dict[str, Any]] | None = None
                   ) -> list[str]:
     """A few plain lines for the command line (the window shows the full table)."""
     if not plans:
         return []
     p0 = plans[-1]
-    lines = [f"controls: {len(plans)} layer(s); input {', '.join(p0.inputs) or 'none'}; "
+    mixers = sorted({p.mixer for p in plans})
+    lines = [f"controls: {len(plans)} layer(s) after {' / '.join(mixers)}; input "
+             f"{', '.join(p0.inputs) or 'none'}; "
              f"output {', '.join(p0.outputs) or 'none (frozen)'} (layer {p0.layer} shown)"]
     warned = [p for p in plans if any("zero" in w for w in p.warnings)]
     if warned:

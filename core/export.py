@@ -19,12 +19,14 @@ from typing import Any
 import numpy as np
 
 from core.compare import Settings, StepResult, summarize
+from core.results import conditioning
 from core.errors import UserError
 from core.images import ImageInfo
 from core.prompt import Prompt
 
 SCHEMA_VERSION = 1
-PATCHES_FORMAT = "ctxpatch-patches/1"
+PATCHES_FORMAT = "ctxpatch-patches/2"  # /2: float64 tensors for float64 runs, conditioning
+PATCHES_FORMATS = ("ctxpatch-patches/1", PATCHES_FORMAT)  # what `verify` reads
 
 
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
@@ -173,7 +175,9 @@ def save_patches(
         if s.patches is None:
             raise UserError("this run kept no patches: run it with keep_patches (--save-patches)")
         for name, arr in s.patches.items():
-            tensors[f"step.{s.step}.{name}"] = np.ascontiguousarray(arr, dtype=np.float32)
+            # float64 for a float64 run, float32 otherwise (as the run computed and applied them)
+            kind = np.float64 if arr.dtype == np.float64 else np.float32
+            tensors[f"step.{s.step}.{name}"] = np.ascontiguousarray(arr, dtype=kind)
         meta_steps.append(patch_step_meta(s))
     metadata = {
         "format": PATCHES_FORMAT,
@@ -185,6 +189,7 @@ def save_patches(
         "layers": settings.layers,
         "output_control": settings.output_control or "",
         "steps": json.dumps(meta_steps),
+        "conditioning": json.dumps(_finite(conditioning(steps))),
     }
     if image is not None:
         metadata["image"] = json.dumps(image.to_dict())

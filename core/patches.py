@@ -10,8 +10,12 @@ Dimensions: ``d`` model width, ``f`` MLP width (or any matrix's input / output w
 - Output matrix (Table 1): ``dW' = dv h^T / |h|^2`` adds ``dv`` to ``W' h``.
 - Output bias (Table 1): ``db = dv``.
 - Output scale (Theorem 1): ``dm = dv / N(h)``, a division by zero replaced by one (and counted).
-- Stable update (Appendix B): most of the shift moves into the down matrix through an RMSNorm
-  inversion, the remainder into the scale (`stable_down_target`, `solve_rms_fit`).
+- Stable update (Appendix B, conditioned): most of the shift moves into the down matrix through an
+  RMSNorm inversion, a bounded remainder into the scale (`stable_down_target`). The paper's fit
+  (`solve_rms_fit`) puts ``N(h')_k = 0`` wherever ``m_k = 0``, and the remainder ``r_k / N(h')_k``
+  then divides by zero; ours fits against ``m`` held away from zero (`conditioned_scale`) and keeps
+  every ``|N(h')_k|`` above a floor, so ``|dm_k|`` stays within a few times ``RMS(m)`` times the
+  size of the wanted branch output (`fit_down_target` is the paper's fit, for a frozen scale).
 
 Patch vectors are computed in float32, or float64 for float64 models; the secular equation of
 the stable update is always solved in float64.
@@ -114,7 +118,8 @@ class RmsFit:
 
 def _secular(gm2: Tensor, m2: Tensor, mu: Tensor) -> Tensor:
     """``F(mu) = mean((g m)^2 / (m^2 - mu)^2)``; ``mu`` may be a batch of candidates (k, 1)."""
-    return (gm2 / (m2 - mu) ** 2).mean(-1)
+    d = m2 - mu
+    return (gm2 / (d * d)).mean(-1)
 
 
 def solve_rms_fit(g: Tensor, m: Tensor, rounds: int = 12) -> RmsFit:
@@ -147,7 +152,8 @@ def solve_rms_fit(g: Tensor, m: Tensor, rounds: int = 12) -> RmsFit:
     # F just below min m^2: infinite unless every minimising coordinate has g m = 0.
     if not bool((gm[at_min] != 0).any()):
         others = ~at_min
-        f_edge = (gm2[others] / (m2[others] - m2_min) ** 2).sum() / n
+        gap = m2[others] - m2_min
+        f_edge = (gm2[others] / (gap * gap)).sum() / n
         if bool(f_edge <= 1):
             y = torch.zeros_like(g64)
             y[others] = gm[others] / (m2[others] - m2_min)
@@ -170,8 +176,9 @@ def solve_rms_fit(g: Tensor, m: Tensor, rounds: int = 12) -> RmsFit:
     return RmsFit(y=y, mu=float(mu), hard_case=False)
 
 
-def stable_down_target(g: Tensor, m: Tensor, c_rms: Tensor) -> tuple[Tensor, bool]:
-    """The down-projection output whose normalized, scaled value best matches ``g`` (App. B.2).
+def fit_down_target(g: Tensor, m: Tensor, c_rms: Tensor) -> tuple[Tensor, bool]:
+    """The down-projection output whose normalized, scaled value best matches ``g`` in L2
+    (App. B.2, the paper's fit; what a frozen scale can reach at best, PAPER.md section 7).
 
     Args:
         g: (d,) target branch output ``dv + m * N(h_down,C)``.
@@ -183,6 +190,49 @@ def stable_down_target(g: Tensor, m: Tensor, c_rms: Tensor) -> tuple[Tensor, boo
     """
     fit = solve_rms_fit(g, m)
     return (c_rms.double() * fit.y).to(g.dtype), fit.hard_case
+
+
+#: `conditioned_scale` raises every ``|m_k|`` to at least this fraction of ``RMS(m)``
+SCALE_FLOOR = 0.1
+#: `stable_down_target` keeps every ``|N(h')_k|`` at least this (``N(h')`` has RMS 1)
+DIRECTION_FLOOR = 1e-2
+
+
+def conditioned_scale(m: Tensor, floor: float = SCALE_FLOOR) -> Tensor:
+    """``m`` with every coordinate raised to at least ``floor * RMS(m)`` in magnitude (sign kept,
+    zeros made positive); all ones when ``m = 0``. Used only to aim the down patch."""
+    tau = floor * m.pow(2).mean().sqrt()
+    if not bool(tau > 0):
+        return torch.ones_like(m)
+    sign = torch.where(m < 0, -torch.ones_like(m), torch.ones_like(m))
+    return torch.where(m.abs() < tau, sign * tau, m)
+
+
+def stable_down_target(g: Tensor, m: Tensor, c_rms: Tensor) -> tuple[Tensor, bool]:
+    """The down-projection output of the conditioned stable update (App. B, done so that the
+    remainder ``dm = g / N(h') - m`` stays bounded).
+
+    Fits ``y = N(h')`` against `conditioned_scale` of ``m`` (the paper's secular equation, whose
+    solution ``y_k = g_k m_k / (m_k^2 - mu)`` is 0 wherever ``m_k = 0``), then raises every
+    ``|y_k|`` to at least `DIRECTION_FLOOR` (a zero ``y_k`` would leave ``dm_k = g_k / 0``) and puts
+    ``y`` back on the RMS sphere. Where ``m`` needs no help, ``dm_k = -mu / m_k``: zero when the
+    attention shift is zero, and ``|dm_k| <= |mu| / (SCALE_FLOOR RMS(m))`` everywhere, with ``mu``
+    the secular root, of the order of ``RMS(m)^2`` times the branch output's size.
+
+    Args:
+        g: (d,) target branch output ``dv + m * N(h_down,C)``.
+        m: (d,) post-norm scale.
+        c_rms: () the fixed RMS value, ``RMS(h_down,C)`` (keeps the down patch small).
+
+    Returns:
+        ``(h_target, hard_case)`` with ``h_target = c_rms * y`` in ``g``'s dtype.
+    """
+    fit = solve_rms_fit(g, conditioned_scale(m.double()))
+    y = fit.y
+    floor = torch.full_like(y, DIRECTION_FLOOR)
+    y = torch.where(y.abs() < DIRECTION_FLOOR, torch.where(y < 0, -floor, floor), y)
+    y = y * torch.rsqrt((y * y).mean())
+    return (c_rms.double() * y).to(g.dtype), fit.hard_case
 
 
 def reachable_shift_bound(m: Tensor) -> float:

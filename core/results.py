@@ -12,6 +12,11 @@ from typing import Any
 
 import numpy as np
 
+#: a patch whose largest entry exceeds this multiple of the largest entry of the weight it
+#: patches is reported as unbounded (ill-conditioned): it reproduces the run through rank-1
+#: actions, but written into weights of the run's own precision it amplifies their rounding
+ENTRY_BOUND = 100.0
+
 
 @dataclass(frozen=True)
 class TopK:
@@ -87,6 +92,41 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
+def conditioning(steps: Sequence[StepResult]) -> dict[str, Any]:
+    """How well-conditioned a run's patches are (what decides whether they verify when written
+    into weights of the run's own precision):
+
+    - ``max_abs_scale_patch``: the largest ``|dm|`` of a post-norm scale patch (None without one),
+      with the step and layer where it occurred;
+    - ``max_entry_ratio``: the largest patch entry over the largest entry of its weight;
+    - ``max_relative_norm``: the largest patch norm over its weight's norm;
+    - ``unbounded_layers`` / ``unbounded_steps``: layer-steps and steps whose entry ratio exceeds
+      ``bound`` (`ENTRY_BOUND`);
+    - ``hard_case_layers`` / ``hard_case_steps``: where the stable fit had no interior root.
+    """
+    dm, dm_at = None, None
+    ratio = rel = 0.0
+    for s in steps:
+        for layer, params in s.patch_norms.items():
+            for name, v in params.items():
+                ratio = max(ratio, v.get("entry_ratio", 0.0))
+                rel = max(rel, v.get("relative", 0.0))
+                if "linf" in v and name.endswith(".weight") and (dm is None or v["linf"] > dm):
+                    dm, dm_at = v["linf"], {"step": s.step, "layer": layer}
+    infos = [(s.step, i) for s in steps for i in s.layer_info.values()]
+    return {
+        "max_abs_scale_patch": dm,
+        "max_abs_scale_patch_at": dm_at,
+        "max_entry_ratio": ratio,
+        "max_relative_norm": rel,
+        "bound": ENTRY_BOUND,
+        "unbounded_layers": sum(bool(i.get("unbounded")) for _, i in infos),
+        "unbounded_steps": len({t for t, i in infos if i.get("unbounded")}),
+        "hard_case_layers": sum(bool(i.get("hard_case")) for _, i in infos),
+        "hard_case_steps": len({t for t, i in infos if i.get("hard_case")}),
+    }
+
+
 def summarize(steps: Sequence[StepResult]) -> dict[str, Any]:
     """Pooled metrics over a run: match rate, max and median of each, for patched and control."""
     out: dict[str, Any] = {"tokens": len(steps)}
@@ -112,6 +152,7 @@ def summarize(steps: Sequence[StepResult]) -> dict[str, Any]:
         "zero_z_layers": sum(bool(i["zero_z"]) for i in infos),
         "zero_h_layers": sum(bool(i["zero_h"]) for i in infos),
     }
+    out["conditioning"] = conditioning(steps)
     seconds = {k: sum(s.seconds[k] for s in steps) for k in ("baseline", "patched", "control")}
     out["seconds"] = {**seconds, "total": sum(seconds.values())}
     return out

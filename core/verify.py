@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from core.errors import Cancelled, UserError
-from core.export import PATCHES_FORMAT, patch_step_meta
+from core.export import PATCHES_FORMATS, patch_step_meta
 from core.forward import last_logits, logit_distance, written_
 from core.loading import LoadedModel
 
@@ -37,6 +37,15 @@ class PatchFile:
         default_factory=dict
     )
 
+    @property
+    def conditioning(self) -> dict[str, Any] | None:
+        """The run's conditioning summary (format /2 on; None before or when unreadable)."""
+        try:
+            value = json.loads(self.metadata.get("conditioning") or "null")
+        except json.JSONDecodeError:
+            return None
+        return value if isinstance(value, dict) else None
+
 
 def read_patches(path: str | Path) -> PatchFile:
     """Read and check a patches file; any problem is a `UserError` naming the file."""
@@ -52,7 +61,7 @@ def read_patches(path: str | Path) -> PatchFile:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise UserError(f"cannot read patches file {path}: {str(exc).splitlines()[0]}") from None
-    if metadata.get("format") != PATCHES_FORMAT:
+    if metadata.get("format") not in PATCHES_FORMATS:
         raise UserError(f"{path} is not a ctxpatch patches file (format {metadata.get('format')!r})")
     try:
         steps = json.loads(metadata["steps"])

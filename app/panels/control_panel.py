@@ -4,6 +4,7 @@ the run goes, how often a condition failed and what was done (PAPER.md sections 
 
 from __future__ import annotations
 
+import html
 from typing import Any
 
 from PySide6.QtCore import Qt
@@ -17,9 +18,11 @@ from PySide6.QtWidgets import (
 )
 
 from app.state import RunState
-from core.controllability import outcome
+from core.controllability import conditioning_line, outcome
+from core.results import conditioning
 
-COLUMNS = ("layer", "input control", "output control", "seen in the weights", "this run")
+COLUMNS = ("layer", "mixer", "input control", "output control", "seen in the weights",
+           "this run")
 
 
 def _short(names: tuple[str, ...], layer: int) -> str:
@@ -41,6 +44,10 @@ def run_cell(row: dict[str, Any]) -> str:
                      f"{row['div_by_one_steps']} step(s): divided by one")
     if row["hard_case"]:
         parts.append(f"stable hard case at {row['hard_case']} step(s): fallback used")
+    if row.get("unbounded_steps"):
+        steps = ", ".join(str(s + 1) for s in row["unbounded_steps"][:8])
+        parts.append(f"patch entries up to {row['max_entry_ratio']:.3g}x the weight's largest "
+                     f"(unbounded) at token(s) {steps}")
     if row.get("beyond_bound_steps"):
         steps = ", ".join(str(s + 1) for s in row["beyond_bound_steps"][:8])
         parts.append(f"|dv| beyond the frozen bound {row['bound']:.3g} at token(s) {steps}")
@@ -63,7 +70,7 @@ class QtControlPanel(QWidget):
         header = self.table.horizontalHeader()
         header.setSectionResizeMode(QHeaderView.ResizeMode.Interactive)
         header.setStretchLastSection(True)
-        for col, width in enumerate((44, 200, 250, 230)):
+        for col, width in enumerate((44, 90, 200, 250, 230)):
             self.table.setColumnWidth(col, width)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
@@ -81,7 +88,7 @@ class QtControlPanel(QWidget):
         plans = self.state.started.plan if self.state.started is not None else ()
         self.table.setRowCount(len(plans))
         for r, p in enumerate(plans):
-            cells = (str(p.layer), _short(p.inputs, p.layer).replace(", ", "\n"),
+            cells = (str(p.layer), p.mixer, _short(p.inputs, p.layer).replace(", ", "\n"),
                      _short(p.outputs, p.layer).replace(", ", "\n"),
                      "\n".join(p.warnings) or "—", "")
             for c, text in enumerate(cells):
@@ -105,9 +112,11 @@ class QtControlPanel(QWidget):
         after = (f"After {n} token(s): " + (f"a condition failed in {failing} layer(s)."
                                              if failing else "every condition held.")
                  if n else "Conditions are checked at every token.")
+        cond = (f"<br>{html.escape(conditioning_line(conditioning(self.state.steps)))}."
+                if n else "")
         self.summary.setText(
             f"<b>{len(started.plan)} patched layer(s), output control '{started.control}'.</b> "
-            f"{after}<br>Needs at every token: {'; '.join(needs)}.")
+            f"{after}{cond}<br>Needs at every token: {'; '.join(needs)}.")
         self.table.resizeRowsToContents()
 
     def rows(self) -> list[list[str]]:

@@ -42,7 +42,7 @@ def test_a_run_fills_both_panes_and_the_plots(qtbot: Any, window: MainWindow) ->
     rows = window.controls.rows()  # the controllability tab: one row per patched layer
     assert [r[0] for r in rows] == [str(i) for i in range(LAYERS)]
     assert all(r[-1] == "all conditions held" for r in rows), rows
-    assert "mlp.down_proj.weight" in rows[0][2]
+    assert rows[0][1] == "attention" and "mlp.down_proj.weight" in rows[0][3]
     assert window.model is not None and window.model.info["family"].startswith("Llama")
 
 
@@ -126,7 +126,7 @@ def test_frozen_output_is_an_ablation_in_the_window(qtbot: Any, window: MainWind
     assert _run(qtbot, window) == "completed"
     assert window.state.started.settings["disabled"] == ["output"]
     assert max(s.patched.linf for s in window.state.steps) > 1e-3  # the shift is not absorbed
-    assert window.controls.rows()[0][2] == "—"
+    assert window.controls.rows()[0][3] == "—"
 
 
 def test_presets_fill_the_inputs(window: MainWindow) -> None:

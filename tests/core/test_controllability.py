@@ -41,8 +41,8 @@ def test_a_zero_in_the_scale_is_seen_before_the_run() -> None:
     with torch.no_grad():  # m = 1 + weight = 0 in two coordinates of layer 1
         gemma.model.model.layers[1].post_feedforward_layernorm.weight[:2] = -1.0
     p = plan(gemma, Settings(method="stable"))
-    assert p[1].warnings == ("the scale m has 2 exact zero(s): the stable remainder divides by "
-                             "~0 there",)
+    assert p[1].warnings == ("the scale m has 2 exact zero(s): the stable update aims the down "
+                             "patch away from them",)
     assert p[0].warnings == () and p[2].warnings == ()
     assert "layer 1" in summary_lines(p)[1]
 

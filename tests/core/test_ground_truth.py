@@ -17,6 +17,7 @@ from tiny import TINY, gemma3_config, tiny_config, tiny_loaded
 from core.compare import Settings, iter_token_patches
 from core.export import save_patches
 from core.prompt import build_prompt
+from core.results import conditioning
 from core.verify import read_patches, verify_patches
 
 CONTEXT = "The quick brown fox jumps over the lazy dog."
@@ -76,19 +77,29 @@ def test_baseline_is_plain_greedy_generation(loaded) -> None:  # type: ignore[no
         assert abs(float(full.abs().max()) - s.logit_scale) <= EXACT * s.logit_scale
 
 
-@pytest.mark.parametrize("absorb,scope", [("context", "all-positions"), ("context", "query"), ("all", "all-positions")])
+@pytest.mark.parametrize("absorb,scope", [("context", "all-positions"), ("context", "query"),
+                                          ("all", "all-positions")])
 @pytest.mark.parametrize("method", ["direct", "stable"])
 def test_saved_patches_reproduce_with_plain_weights(loaded, tmp_path, absorb, scope, method) -> None:  # type: ignore[no-untyped-def]
+    """Float64 patches (saved as float64) written into the weights reproduce the run to 1e-6
+    of the logit scale when they are bounded. The tolerance follows the conditioning the run
+    reports, not the machine: an unbounded direct scale patch (``dm = dv / N(h)`` with a tiny
+    ``N(h)_j``) multiplies the rounding of Gemma's float32 norms by up to its entry ratio,
+    and the stable update stays bounded on post-norm-scale families whose scale is not
+    near zero everywhere (tests/core/test_conditioning.py)."""
     _, settings, steps = _run(loaded, absorb=absorb, scope=scope, method=method, keep_patches=True)
     path = tmp_path / "p.safetensors"
     save_patches(path, steps, "tiny", "float64", settings)
+    cond = conditioning(steps)
+    if method == "stable" and loaded.adapter.norm_offset == 1.0:  # Gemma's m = 1 + w
+        assert cond["unbounded_layers"] == 0, cond
+    tol = EXACT * max(1.0, cond["max_entry_ratio"])
     before = {n: p.detach().clone() for n, p in loaded.model.named_parameters()}
     checks = verify_patches(loaded, read_patches(path))
     assert len(checks) == TOKENS
     for c in checks:
         assert c.match
-        # the run applied the float32 patches it saved, so only rounding is left
-        assert c.linf <= 1e-6 * c.scale
+        assert c.linf <= tol * c.scale, (c.step, c.linf / c.scale, cond["max_entry_ratio"])
     for n, p in loaded.model.named_parameters():  # the weights were restored
         assert torch.equal(p, before[n]), n
 
@@ -140,7 +151,8 @@ def test_verify_detects_a_missing_patch(loaded, tmp_path) -> None:  # type: igno
         meta = f.metadata()
     tensors = load_file(str(path))
     last = len(loaded.adapter.layers(loaded.model)) - 1
-    dropped = {k: v for k, v in tensors.items() if not re.search(rf"(layers|h)\.{last}\.", k)}
+    dropped = {k: v for k, v in tensors.items()
+               if not re.search(rf"(layers|h|blocks)\.{last}\.", k)}
     assert 0 < len(dropped) < len(tensors)
     save_file(dropped, str(path), metadata=meta)
     checks = verify_patches(loaded, read_patches(path))

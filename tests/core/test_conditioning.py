@@ -1,0 +1,111 @@
+"""Conditioning of the output control (issue 16): the direct update's ``dm = dv / N(h)`` explodes
+where ``N(h)_j`` is tiny or ``m_j = 0``; the stable update keeps every entry bounded, and both stay
+exact in float64. The saved patches of a float64 run are float64 and verify to 1e-6 of the
+logit scale."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import gemma3_config, tiny_loaded
+
+from core.compare import Settings, iter_token_patches
+from core.export import PATCHES_FORMAT, save_patches
+from core.patches import conditioned_scale, fit_down_target, stable_down_target
+from core.prompt import build_prompt
+from core.results import ENTRY_BOUND, conditioning
+from core.verify import read_patches, verify_patches
+
+EXACT = 1e-6
+
+
+def _ill_conditioned() -> object:
+    """A tiny Gemma 3 whose down projections make ``N(h)_0`` tiny (row 0 scaled by 1e-9) and
+    whose post-FF scale ``m = 1 + w`` is exactly 0 in coordinate 1, in every layer."""
+    loaded = tiny_loaded(gemma3_config(layers=4))
+    with torch.no_grad():
+        for layer in loaded.model.model.layers:
+            layer.mlp.down_proj.weight[0] *= 1e-9
+            layer.post_feedforward_layernorm.weight[1] = -1.0
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def ill() -> object:
+    return _ill_conditioned()
+
+
+def _run(loaded, method: str, **kw):  # type: ignore[no-untyped-def]
+    prompt = build_prompt(loaded.tokenizer, "The quick brown fox jumps over the lazy dog.",
+                          "Hello world!")
+    settings = Settings(max_new_tokens=4, method=method, **kw)
+    return settings, list(iter_token_patches(loaded, prompt, settings))
+
+
+@pytest.mark.parametrize("absorb", ["context", "all"])
+def test_direct_explodes_where_stable_stays_bounded_both_exact(ill, absorb: str) -> None:  # type: ignore[no-untyped-def]
+    _, direct = _run(ill, "direct", absorb=absorb)
+    _, stable = _run(ill, "stable", absorb=absorb)
+    for steps in (direct, stable):  # both exact in float64 (rank-1 actions)
+        assert all(s.patched.match for s in steps)
+        assert max(s.patched.linf / s.logit_scale for s in steps) <= EXACT
+    d, s = conditioning(direct), conditioning(stable)
+    # the direct update divides by N(h)_0 ~ 1e-9: its scale patch is huge and flagged
+    assert d["max_abs_scale_patch"] > 1e6
+    assert d["max_entry_ratio"] > 1e5 and d["unbounded_layers"] > 0
+    # the stable update aims the down patch away from the tiny and zero coordinates
+    assert s["max_entry_ratio"] < 10 and s["unbounded_layers"] == 0
+    assert s["max_abs_scale_patch"] < 1e-4 * d["max_abs_scale_patch"]
+
+
+def test_stable_patches_of_an_ill_conditioned_model_verify_in_float64(ill, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    settings, steps = _run(ill, "stable", absorb="context", keep_patches=True)
+    path = tmp_path / "p.safetensors"
+    save_patches(path, steps, "tiny", "float64", settings)
+    pf = read_patches(path)
+    assert pf.metadata["format"] == PATCHES_FORMAT == "ctxpatch-patches/2"
+    assert pf.conditioning is not None and pf.conditioning["unbounded_layers"] == 0
+    assert all(t.dtype == torch.float64 for s in pf.patches.values() for p in s.values()
+               for t in p.values())
+    checks = verify_patches(ill, pf)
+    assert all(c.match for c in checks)
+    assert max(c.linf / c.scale for c in checks) <= EXACT
+
+
+def test_the_conditioned_target_is_bounded_where_the_papers_fit_divides_by_zero() -> None:
+    """Unit level: with ``m_k = 0`` the paper's fit puts ``y_k = 0`` (so ``dm_k = g_k / 0``);
+    the conditioned target keeps ``|y_k|`` above the floor, and with no attention shift
+    (``g = m * y_C``) and no small ``m`` it is the full-context direction itself."""
+    g64 = torch.float64
+    gen = torch.Generator().manual_seed(3)
+    m = torch.rand(64, generator=gen, dtype=g64) + 0.5
+    m[:3] = 0.0
+    g = torch.randn(64, generator=gen, dtype=g64)
+    c = torch.tensor(2.0, dtype=g64)
+    paper, _ = fit_down_target(g, m, c)
+    ours, _ = stable_down_target(g, m, c)
+    assert torch.all(paper[:3] == 0)
+    for h in (paper, ours):  # both on the RMS sphere of radius c
+        assert torch.isclose(h.pow(2).mean().sqrt(), c)
+    y = ours / c
+    dm = g / y - m
+    assert float(y.abs().min()) >= 1e-2 * 0.99
+    assert float(dm.abs().max()) < 1e3 * float(m.pow(2).mean().sqrt())
+    # no shift and no small m: the target is the full-context direction, so dm = 0
+    m2 = torch.rand(64, generator=gen, dtype=g64) + 0.5
+    y_c = torch.randn(64, generator=gen, dtype=g64)
+    y_c = y_c / y_c.pow(2).mean().sqrt()
+    y_c = torch.where(y_c.abs() < 0.05, torch.full_like(y_c, 0.05), y_c)
+    y_c = y_c / y_c.pow(2).mean().sqrt()
+    h, _ = stable_down_target(m2 * y_c, m2, c)
+    assert torch.allclose(h / c, y_c, atol=1e-10)
+    assert torch.equal(conditioned_scale(m2), m2)
+
+
+def test_bound_flag_follows_the_entry_ratio(ill) -> None:  # type: ignore[no-untyped-def]
+    _, steps = _run(ill, "direct", absorb="all")
+    for s in steps:
+        for layer, info in s.layer_info.items():
+            worst = max(v["entry_ratio"] for v in s.patch_norms[layer].values())
+            assert info["entry_ratio"] == worst
+            assert info["unbounded"] == (worst > ENTRY_BOUND)
