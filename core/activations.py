@@ -31,7 +31,10 @@ def replace_output(output: Any, new: Tensor) -> Any:
 
 def query_row(x: Tensor, dtype: torch.dtype) -> Tensor:
     """The query (last) position of a (1, seq, width) or (seq, width) activation, as a (width,)
-    copy (batch is 1: MoE modules see the same rows flattened)."""
+    copy (batch is 1: MoE modules see the same rows flattened); of a (streams, 1, seq, width) one
+    (Gemma 3n's AltUp streams, a decoder layer's output) every stream's, concatenated."""
+    if x.dim() > 3:
+        return x[..., -1, :].reshape(-1).detach().to(dtype).clone()
     return x.reshape(-1, x.shape[-1])[-1].detach().to(dtype).clone()
 
 

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from core.activations import first_input, first_output, query_row, replace_output
 from core.adapters.base import LayerSites
-from core.engine_moe import MoEHooks
+from core.engine_moe import MoEHooks, record_moe
 from core.errors import Cancelled
 from core.offload import plain_call, resident
 from core.patches import (
@@ -38,6 +38,7 @@ from core.patches import (
     matrix_output_patch,
     rank1_input_patch,
     rms_normalize,
+    fit_down_target,
     scale_patch,
     stable_down_target,
 )
@@ -197,6 +198,7 @@ def recording(
 
                 add(s.router.register_forward_hook(keep_router))
                 add(s.experts.register_forward_pre_hook(keep_z))
+                record_moe(add, s, t, dtype)  # the router's input, the shared experts
             if s.out_norm is not None:
 
                 def keep_branch(m: nn.Module, a: Any, out: Any, t: LayerTargets = t) -> None:
@@ -313,7 +315,8 @@ class _LayerPatcher(MoEHooks):
             m = self._scale()
             self.g = self._shift() + self.t.branch
             c_rms = self.t.down.pow(2).mean().sqrt()
-            h_target, hard = stable_down_target(self.g, m, c_rms)
+            target = fit_down_target if spec.control == "matrix" else stable_down_target
+            h_target, hard = target(self.g, m, c_rms)
             self.result.hard_case = hard
             shift = h_target - query_row(y, self.dtype)
         else:
@@ -401,6 +404,7 @@ def patching(
             if s.router is not None and s.experts is not None:
                 add(s.router.register_forward_hook(lp.on_router))
                 add(s.experts.register_forward_hook(lp.on_experts))
+                lp.register_moe(add)  # the shared experts
             if s.out_norm is not None and spec.control == "scale":
                 add(s.out_norm.register_forward_hook(lp.on_out_norm))
             add(s.layer.register_forward_hook(lp.on_block))

@@ -1,28 +1,124 @@
-"""The mixture-of-experts hooks of one patched layer (Mixtral, Qwen3-MoE, OLMoE): a rank-1
-patch of the router so the reduced input routes like the full context, and rank-1 patches of
-every active expert's slices (PAPER.md, MoE extension). Mixed into the engine's layer patcher,
-whose state (targets, spec, result, dtype) they share."""
+"""The mixture-of-experts hooks of one patched layer (PAPER.md section 4, MoE): a rank-1 patch of
+the router so the reduced input routes like the full context, rank-1 patches of every active
+expert's slices, and of the shared experts' matrices. Mixed into the engine's layer patcher,
+whose state (sites, targets, spec, result, dtype) they share.
+
+- The router is a linear map of ``z`` followed by a fixed function (softmax or sigmoid, biases,
+  correction biases that only steer the selection, grouped top-k, renormalisation, scaling): the
+  rank-1 patch ``W (z_C - z) z^T / |z|^2`` of its matrix gives it the full-context logits, so
+  every variant selects the same experts with the same weights. The logits are computed here from
+  the matrix and the router's recorded input ``z_C`` (routers return them in different places).
+- A routed expert reads ``c z`` with ``c`` the same in both runs (1, or Llama 4's score), so the
+  same patch of its ``gate_up`` slice, acting on ``c z``, gives ``c W z_C``: its full-context
+  pre-activation.
+- The output correction goes to the shared experts when the layer has any (`SharedExpert`: each
+  adds ``dv / (n g_C)``), else to the active routed experts' ``down`` slices, each adding
+  ``dv / S`` with ``S`` the sum of their output weights (routing weights; 1 each when the
+  routing scales the input), so ``sum_e w_e dW_e h_e = dv``.
+- Fused experts are described by transformers' own flags (``use_experts_implementation``:
+  ``is_transposed``, ``has_bias``, ``has_gate``), or by the layer's `ExpertsView`. An expert's
+  gated activation comes from the module's own ``_apply_gate`` (gpt-oss's clamped, interleaved
+  SwiGLU included); it is needed only when routed experts absorb ``dv``.
+- Patches of transposed slices are kept in the stored orientation (``u`` along the stored
+  ``shape[0]``), as the patches file and `core.verify` want them; the adapter-wide
+  ``transposed`` flag (GPT-2's Conv1D) stays False for these families.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from core.activations import first_output, last_rows, query_row
+from core.activations import first_input, first_output, last_rows, query_row, replace_output
+from core.adapters.base import ExpertsView, LayerSites, SharedExpert
 from core.forward import written_
 from core.offload import is_offloaded, plain_call, resident
 from core.patches import Rank1, matrix_output_patch, rank1_input_patch
 
+#: key in ``LayerTargets.inputs`` of the router's full-context input ``z_C`` (not a matrix output)
+ROUTER_Z = "moe.z"
+
+
+def _shared_key(k: int, role: str) -> str:
+    return f"moe.shared{k}.{role}"
+
+
+def experts_view(sites: LayerSites, module: nn.Module) -> ExpertsView:
+    """The layer's `ExpertsView`, or one read from transformers' flags on the experts module."""
+    if sites.experts_view is not None:
+        return sites.experts_view
+    return ExpertsView(transposed=bool(getattr(module, "is_transposed", False)))
+
+
+def _n_experts(module: nn.Module) -> int:
+    n = getattr(module, "num_experts", None)
+    return int(n) if n is not None else int(resident(module, "down_proj").shape[0])
+
+
+def _gate_up_name(module: nn.Module) -> str:
+    return "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
+
+
+def _activation(module: nn.Module, pre: Tensor) -> Tensor:
+    """The expert's inner activation from its pre-activation, by the module's own code."""
+    if not getattr(module, "has_gate", True):
+        return module.act_fn(pre)
+    apply_gate = getattr(module, "_apply_gate", None)
+    if apply_gate is None:
+        raise NotImplementedError(f"{type(module).__name__} has no _apply_gate: its routed "
+                                  "experts cannot absorb dv (give the layer a shared expert)")
+    return apply_gate(pre)
+
+
+def record_moe(add: Callable[[Any], None], s: LayerSites, t: Any, dtype: torch.dtype) -> None:
+    """Register the full-context hooks of an MoE layer beyond `core.engine.recording`'s own: the
+    router's input ``z_C``, and the outputs of the shared experts' input matrices and gates."""
+    assert s.router is not None
+
+    def keep_z(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        t.inputs[ROUTER_Z] = query_row(first_input(args, kwargs), dtype)
+
+    add(s.router.register_forward_pre_hook(keep_z, with_kwargs=True))
+    for k, shared in enumerate(s.shared):
+        for role, module in _shared_inputs(shared):
+
+            def keep(m: nn.Module, a: Any, out: Any, key: str = _shared_key(k, role)) -> None:
+                t.inputs[key] = query_row(first_output(out), dtype)
+
+            add(module.register_forward_hook(keep))
+
+
+def _shared_inputs(shared: SharedExpert) -> tuple[tuple[str, nn.Module], ...]:
+    gate = (("gate_value", shared.gate),) if shared.gate is not None else ()
+    return (*shared.inputs, *gate)
+
+
+def _act_rows(x: Tensor, y: Tensor, r: Rank1, last_only: bool) -> Tensor:
+    """``y + u (a . x)`` on every row of a ``(..., rows, width)`` activation, or on the last row
+    only; computed in the patch dtype, cast back to ``y``'s dtype."""
+    ct = r.u.dtype
+    x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+    if last_only:
+        out = y2.clone()
+        out[-1] = (y2[-1].to(ct) + (x2[-1].to(ct) @ r.a) * r.u).to(y.dtype)
+    else:
+        out = (y2.to(ct) + (x2.to(ct) @ r.a)[:, None] * r.u).to(y.dtype)
+    return out.reshape(y.shape)
+
 
 class MoEHooks:
-    """``on_router`` and ``on_experts``, for `core.engine._LayerPatcher`."""
+    """``on_router``, ``on_experts`` and the shared experts' hooks, for
+    `core.engine._LayerPatcher`."""
 
+    s: LayerSites
     t: Any
     spec: Any
     result: Any
     dtype: torch.dtype
+    _moe_z: Tensor | None = None  # the router's reduced input at the query (this forward)
 
     def _rank1(self, r: Rank1) -> Rank1:  # provided by the patcher
         raise NotImplementedError
@@ -33,58 +129,99 @@ class MoEHooks:
     def _shift(self) -> Tensor:  # provided by the patcher
         raise NotImplementedError
 
+    # -- router -----------------------------------------------------------------------------
+
     def on_router(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        """Rank-1 patch of the router so the reduced input routes like the full context: the
-        same experts with the same weights (the router recomputes with the patched matrix)."""
+        """Rank-1 patch of the router's matrix so the reduced input routes like the full context:
+        the same experts with the same weights (the router recomputes with the patched matrix,
+        its bias and its fixed function untouched)."""
+        x = args[0]
+        q = self.dtype
+        z = self._moe_z = query_row(x, q)
         if "input" in self.spec.disabled:
             return None
-        x, logits = args[0], first_output(output)
-        q = self.dtype
-        r = rank1_input_patch(self.t.inputs["router"], query_row(logits, q), query_row(x, q))
+        w = resident(module, "weight").detach()
+        wq = w.to(q)
+        r = rank1_input_patch(wq @ self.t.inputs[ROUTER_Z], wq @ z, z)
         if r is None:
             self.result.zero_z = True
             return None
         r = self._rank1(r)
         self.result.patches[self._name(module, "weight")] = r
-        w = resident(module, "weight").detach()
         weight = (w.to(r.u.dtype) + torch.outer(r.u, r.a)).to(w.dtype)
         patched = plain_call(module, {"weight": weight}, x)
         return last_rows(output, patched, self.spec.last_only)
 
+    # -- routed experts ---------------------------------------------------------------------
+
     def on_experts(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        """Patch every active expert at the query: its ``gate_up_proj`` slice so the reduced input
-        gives the full-context inner activation, its ``down_proj`` slice to add ``dv / S``
-        (``S`` = the active routing weights' sum), so ``sum_e g_e dW_e h_e = dv``. The slices
-        are written in place for one recomputation of the experts and restored at once."""
-        x, index, weights = args[0], args[1], args[2]
-        z = query_row(x, self.dtype)
-        active = [int(e) for e in index.reshape(-1, index.shape[-1])[-1]]
-        s_sum = weights.reshape(-1, weights.shape[-1])[-1].to(self.dtype).sum()
+        """Patch every active expert at the query: its ``gate_up`` slice so the reduced input gives
+        the full-context pre-activation, and (when no shared expert absorbs ``dv``) its ``down``
+        slice to add ``dv / S``. The slices are written in place for one recomputation of the
+        experts by their own forward and restored at once."""
+        view = experts_view(self.s, module)
+        x = args[0]
+        one = torch.ones((), dtype=self.dtype)
+        if view.rows == "tokens":  # (x, top_k_index, top_k_weights), one row per token
+            index = [int(e) for e in args[1].reshape(-1, args[1].shape[-1])[-1]]
+            row_w = args[2].reshape(-1, args[2].shape[-1])[-1].to(self.dtype)
+            picked = dict(zip(index, row_w, strict=True))
+            active = list(picked)
+            inputs = {e: query_row(x, self.dtype) for e in active}
+        else:  # expert-major rows: every expert on every token, unselected ones read zeros
+            n = _n_experts(module)
+            rows = x.reshape(n, -1, x.shape[-1])[:, -1].to(self.dtype)
+            active = [e for e in range(n) if bool(rows[e].any())]
+            inputs = {e: rows[e] for e in active}
+            picked = {}
+        out_w = {e: picked[e] if view.routing == "output" else one for e in active}
         use_input = "input" not in self.spec.disabled
-        use_output = "output" not in self.spec.disabled
-        if use_output and float(s_sum) == 0.0:
-            self.result.zero_s = True
-        dv = self._shift() / s_sum if use_output and not self.result.zero_s else None
+        z, z_c = self._moe_z, self.t.inputs.get(ROUTER_Z)
+        if z is None:  # no router hook ran before (it always does in these families)
+            z = query_row(x, self.dtype)
+        dv = None
+        if "output" not in self.spec.disabled and not self.s.shared:
+            s_sum = torch.stack(list(out_w.values())).sum() if active else 0 * one
+            if float(s_sum) == 0.0:
+                self.result.zero_s = True
+            else:
+                dv = self._shift() / (s_sum * self.s.branch_scale)
+        gu_name = _gate_up_name(module)
+        gate_up_all = resident(module, gu_name).detach()
+        bias_all = resident(module, f"{gu_name}_bias").detach() \
+            if getattr(module, "has_bias", False) else None
         pairs: list[tuple[str, int, Tensor]] = []
-        gate_up_all = resident(module, "gate_up_proj")
-        for e in dict.fromkeys(active):
-            gate_up = gate_up_all[e].detach().to(self.dtype)  # (2f, d)
-            y, y_target = gate_up @ z, gate_up @ self.t.z if self.t.z is not None else None
-            if use_input and y_target is not None:
-                r_in = self._expert_patch(module, "gate_up_proj", e, pairs,
-                                          rank1_input_patch(y_target, y, z), "zero_z")
+        for e in active:
+            w_e = gate_up_all[e].to(self.dtype)
+            w_e = w_e.T if view.transposed else w_e  # (out, in)
+            x_e = inputs[e]
+            pre = w_e @ x_e + (bias_all[e].to(self.dtype) if bias_all is not None else 0)
+            if use_input and z_c is not None:
+                r_in = self._expert_patch(module, gu_name, e, pairs, view,
+                                          rank1_input_patch(w_e @ z_c, w_e @ z, z), "zero_z")
                 if r_in is not None:
-                    y = y + r_in.u * (r_in.a @ z)
-            # mirrors the experts' forward: gate, up = (W x).chunk(2); h = act(gate) * up
-            gate, up = y.chunk(2, dim=-1)
-            h = module.act_fn(gate) * up
+                    pre = pre + r_in.u * (r_in.a @ x_e)
             if dv is not None:
-                self._expert_patch(module, "down_proj", e, pairs, matrix_output_patch(dv, h),
-                                   "zero_h")
+                h = _activation(module, pre)
+                self._expert_patch(module, "down_proj", e, pairs, view,
+                                   matrix_output_patch(dv, h), "zero_h")
         if not pairs:
             return None
-        rows = slice(-1, None) if self.spec.last_only else slice(None)
-        inputs = (x[rows], index[rows], weights[rows])
+        return self._recompute(module, view, args, output, pairs)
+
+    def _recompute(self, module: nn.Module, view: ExpertsView, args: tuple[Any, ...],
+                   output: Any, pairs: list[tuple[str, int, Tensor]]) -> Any:
+        """The experts' own forward with the patched slices (at the query only for scope
+        "query"); the other rows keep the original output."""
+        last_only = self.spec.last_only
+        x = args[0]
+        if view.rows == "tokens":
+            rows = slice(-1, None) if last_only else slice(None)
+            inputs: tuple[Any, ...] = tuple(a[rows] for a in args[:3])
+        elif last_only:
+            inputs = (x.reshape(_n_experts(module), -1, x.shape[-1])[:, -1],)
+        else:
+            inputs = (x,)
         if any(is_offloaded(module, name) for name, _, _ in pairs):
             # offloaded experts: patched copies of the stacked tensors for this one call
             params = {}
@@ -98,16 +235,68 @@ class MoEHooks:
         else:  # resident: the slices are written in place and restored at once
             with written_([(getattr(module, n)[e], d) for n, e, d in pairs]):
                 patched = plain_call(module, {}, *inputs)
-        return last_rows(output, patched, self.spec.last_only)
+        if view.rows == "tokens" or not last_only:
+            return last_rows(output, patched, last_only)
+        out = first_output(output).clone()
+        n = _n_experts(module)
+        out.reshape(n, -1, out.shape[-1])[:, -1] = patched.reshape(n, -1)
+        return replace_output(output, out)
 
     def _expert_patch(self, module: nn.Module, param: str, e: int,
-                      pairs: list[tuple[str, int, Tensor]], r: Rank1 | None, zero_flag: str
-                      ) -> Rank1 | None:
-        """Keep expert ``e``'s rank-1 patch of ``param`` (or note the failed condition)."""
+                      pairs: list[tuple[str, int, Tensor]], view: ExpertsView, r: Rank1 | None,
+                      zero_flag: str) -> Rank1 | None:
+        """Keep expert ``e``'s rank-1 patch of ``param`` (or note the failed condition); return it
+        rounded as kept, in (out, in) orientation."""
         if r is None:
             setattr(self.result, zero_flag, True)
             return None
         r = self._rank1(r)
-        self.result.patches[f"{self._name(module, param)}[{e}]"] = r
-        pairs.append((param, e, torch.outer(r.u, r.a)))
+        stored = Rank1(r.a, r.u) if view.transposed else r  # u along the stored shape[0]
+        self.result.patches[f"{self._name(module, param)}[{e}]"] = stored
+        pairs.append((param, e, torch.outer(stored.u, stored.a)))
         return r
+
+    # -- shared experts ---------------------------------------------------------------------
+
+    def register_moe(self, add: Callable[[Any], None]) -> None:
+        """Register the reduced-run hooks of the shared experts (`core.engine.patching`
+        registers the router's and the routed experts')."""
+        for k, shared in enumerate(self.s.shared):
+            for role, module in _shared_inputs(shared):
+                add(module.register_forward_hook(self._on_shared_input(_shared_key(k, role))))
+            add(shared.down.register_forward_hook(self._on_shared_down(k, shared)))
+
+    def _on_shared_input(self, key: str) -> Callable[[nn.Module, Any, Any], Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            if "input" in self.spec.disabled:
+                return None
+            x, y = args[0], first_output(output)
+            q = self.dtype
+            r = rank1_input_patch(self.t.inputs[key], query_row(y, q), query_row(x, q))
+            if r is None:
+                self.result.zero_z = True
+                return None
+            r = self._rank1(r)
+            self.result.patches[self._name(module, "weight")] = r
+            return replace_output(output, _act_rows(x, y, r, self.spec.last_only))
+
+        return hook
+
+    def _on_shared_down(self, k: int, shared: SharedExpert) -> Callable[[nn.Module, Any, Any], Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            if "output" in self.spec.disabled:
+                return None
+            x, y = args[0], first_output(output)
+            g = torch.ones((), dtype=self.dtype)
+            if shared.gate is not None:  # the gate's full-context value (its patch gives it)
+                g = shared.gate_fn(self.t.inputs[_shared_key(k, "gate_value")]).reshape(())
+            shift = self._shift() / (len(self.s.shared) * g * self.s.branch_scale)
+            r = matrix_output_patch(shift, query_row(x, self.dtype))
+            if r is None:
+                self.result.zero_h = True
+                return None
+            r = self._rank1(r)
+            self.result.patches[self._name(module, "weight")] = r
+            return replace_output(output, _act_rows(x, y, r, self.spec.last_only))
+
+        return hook

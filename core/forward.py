@@ -30,6 +30,19 @@ def written_(pairs: Sequence[tuple[Tensor, Tensor]]) -> Iterator[None]:
                 target.copy_(original)
 
 
+def fresh_states(cache: Any) -> None:
+    """Give every cache layer fresh copies of the states a forward updates in place: the conv and
+    recurrent states of linear-attention and state-space layers (`copy_` into tensors held in
+    dicts). The forward then changes only the copies, so whoever kept the layer's attributes
+    before it (the comparison's rollback of the reduced prefix cache) still holds the old state;
+    attention layers replace their key and value tensors and need nothing."""
+    for layer in getattr(cache, "layers", ()):
+        for name, value in list(getattr(layer, "__dict__", {}).items()):
+            if isinstance(value, dict):
+                setattr(layer, name, {k: v.clone() if isinstance(v, Tensor) else v
+                                      for k, v in value.items()})
+
+
 def last_logits(model: Any, ids: Sequence[int], device: torch.device, cache: Any = None,
                 positions: Sequence[int] | None = None, pixels: dict[str, Any] | None = None
                 ) -> torch.Tensor:
@@ -40,6 +53,7 @@ def last_logits(model: Any, ids: Sequence[int], device: torch.device, cache: Any
     """
     kwargs: dict[str, Any] = {"logits_to_keep": 1}
     if cache is not None:
+        fresh_states(cache)
         kwargs.update(cache=cache, use_cache=True)
     else:
         kwargs["use_cache"] = False

@@ -39,18 +39,31 @@ def tiny_tokenizer(vocab_size: int = 320) -> Any:
     )
 
 
+#: other parameters or buffers that start at zero (or near it) and would hide bugs: MoE experts'
+#: biases, the routers' selection-only correction biases, attention sinks (gpt-oss); Gemma 3n's
+#: AltUp output scale (zero: it would switch the per-layer-input branch off) and Gemma 4's
+#: per-layer output scalar (a buffer of ones)
+_RANDOM_TOO = ("gate_up_proj_bias", "down_proj_bias", "e_score_correction_bias", "sinks",
+               "correct_output_scale", "layer_scalar")
+
+
 def randomize_norms(model: torch.nn.Module, seed: int = 0, scale: float = 0.5) -> None:
     """Give every norm's weight and bias, and every other bias, random values (the zero/one init
-    hides cast-order bugs, and a zero bias hides a bias patch's sign)."""
+    hides cast-order bugs, and a zero bias hides a bias patch's sign); likewise the `_RANDOM_TOO`
+    parameters and buffers (a zero correction bias hides a routing that ignores it)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for module in model.modules():
             is_norm = "norm" in type(module).__name__.lower()
             for name, p in module.named_parameters(recurse=False):
-                if not is_norm and name != "bias":
+                if not is_norm and name != "bias" and name not in _RANDOM_TOO:
                     continue
                 noise = torch.randn(p.shape, generator=g, dtype=torch.float64) * scale
                 p.add_(noise.to(p.dtype))
+            for name, b in module.named_buffers(recurse=False):
+                if name in _RANDOM_TOO and b.is_floating_point():
+                    noise = torch.randn(b.shape, generator=g, dtype=torch.float64) * scale
+                    b.add_(noise.to(b.dtype))
 
 
 def gemma3_config(layers: int = 4, vocab: int = 320) -> Any:

@@ -5,6 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from core.adapters import falcon, gemma3, gpt2, llama, moe, olmo2, parallel
+from core.adapters import gemma3n, gemma4, hybrid
+from core.adapters import classic, dense2025
+from core.adapters import moe_shared
 from core.adapters.base import Adapter, LayerSites, decoder_layers
 from core.errors import UserError
 
@@ -21,6 +24,20 @@ ADAPTERS: tuple[Adapter, ...] = (
     parallel.COHERE,
     falcon.ADAPTER,
     moe.ADAPTER,
+    moe.GRANITEMOE,
+    moe.GPT_OSS,
+    moe_shared.DEEPSEEK,
+    moe_shared.ERNIE,
+    moe_shared.QWEN2_MOE,
+    moe_shared.LLAMA4,
+    *dense2025.ADAPTERS,
+    *classic.ADAPTERS,
+    gemma4.ADAPTER,
+    gemma3n.ADAPTER,
+    hybrid.QWEN3_5,
+    hybrid.FALCON_H1,
+    hybrid.JAMBA,
+    hybrid.GRANITE_HYBRID,
 )
 
 REGISTRY: dict[str, Adapter] = {t: a for a in ADAPTERS for t in a.model_types}

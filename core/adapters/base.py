@@ -13,7 +13,11 @@ For one decoder layer it names:
 - ``router`` and ``experts``: a mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE) instead of
   ``inputs`` and ``out_matrix``: the router gets a rank-1 input patch (same routing, same
   weights), every active expert's slice of ``gate_up_proj`` a rank-1 input patch, and every
-  active expert's slice of ``down_proj`` a rank-1 patch adding ``dv / S``.
+  active expert's slice of ``down_proj`` a rank-1 patch adding ``dv / S``; ``experts_view``
+  says how the fused experts are stored when transformers' own flags do not (`ExpertsView`);
+- ``shared``: always-active experts beside the routed ones (DeepSeek, Qwen2-MoE, Llama 4): their
+  input matrices (and a gate's linear) get rank-1 input patches, and their output matrices
+  absorb ``dv`` instead of the routed experts (`SharedExpert`).
 
 The branch output that is added to ``v`` is ``out_norm(out_matrix(...))`` when ``out_norm``
 exists, else ``out_matrix(...)``, times ``branch_scale`` (Granite's residual multiplier); so
@@ -25,11 +29,61 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 #: "input" reads a module's first positional (or ``hidden_states``) argument; "output" its
 #: first output.
 SourceKind = str
+
+
+@dataclass(frozen=True)
+class SharedExpert:
+    """An always-active expert beside the routed ones, ``g(z) * down(act(gate(z)) * up(z))``.
+
+    Its input matrices and its gate's linear read ``z`` and get rank-1 input patches, so its inner
+    activation and its gate value are those of the full context; its ``down`` matrix absorbs the
+    output correction: with ``n`` shared experts each adds ``dv / (n g_C branch_scale)``, ``g_C``
+    its full-context gate value (1 when ungated), as ``dW = shift h^T / |h|^2``
+    (`core.engine_moe`). The modules may see ``(tokens, width)`` or ``(1, tokens, width)``.
+    Shared experts are patched in a layer that also has ``router`` and ``experts`` (their hooks
+    are registered with the MoE's; a layer whose router feeds no fused experts needs more).
+
+    Attributes:
+        inputs: ``(role, nn.Linear)`` input matrices (``gate_proj``, ``up_proj``).
+        down: its output matrix (an ``nn.Linear``: ``down_proj``).
+        gate: the linear of ``z`` whose ``gate_fn`` weights the expert's output (Qwen2-MoE's
+            ``shared_expert_gate``, ``(1, d)``), or None when the output is added as it is.
+        gate_fn: the fixed function of that linear's output (a sigmoid in every family so far).
+    """
+
+    inputs: tuple[tuple[str, nn.Module], ...]
+    down: nn.Module
+    gate: nn.Module | None = None
+    gate_fn: Callable[[Tensor], Tensor] = torch.sigmoid
+
+
+@dataclass(frozen=True)
+class ExpertsView:
+    """How a fused experts module stores and applies its experts.
+
+    Experts decorated with transformers' ``use_experts_implementation`` carry their own flags
+    (``is_transposed``, ``has_bias``, ``has_gate``, ``_apply_gate``), which `core.engine_moe` reads
+    when a layer gives no view; a view is needed only for the other kinds (Llama 4).
+
+    Attributes:
+        transposed: slices are stored ``(in, out)`` (gpt-oss, Llama 4), so a patch's ``u`` in the
+            patches file runs along the input side (DESIGN.md: ``u`` has the stored ``shape[0]``).
+        routing: "output": ``y = sum_e w_e E_e(z)`` (the experts get ``(z, index, weights)``);
+            "input": ``y = sum_e E_e(w_e z)`` (Llama 4: the scores scale each expert's input).
+        rows: "tokens": the experts' input is ``(tokens, d)`` with the routing passed beside it;
+            "experts": it is ``(E * tokens, d)``, expert-major, every expert on every token
+            (Llama 4's ``routed_in``).
+    """
+
+    transposed: bool = False
+    routing: str = "output"
+    rows: str = "tokens"
 
 
 @dataclass(frozen=True)
@@ -43,7 +97,9 @@ class LayerSites:
     out_norm: nn.Module | None = None
     router: nn.Module | None = None  # MoE: the top-k router, called on z, returns (logits, ...)
     experts: nn.Module | None = None  # MoE: fused 3-D gate_up_proj and down_proj, called on
-    #                                   (z, top_k_index, top_k_weights)
+    #                                   (z, top_k_index, top_k_weights) or as experts_view says
+    experts_view: ExpertsView | None = None  # MoE: None reads transformers' own flags
+    shared: tuple[SharedExpert, ...] = ()  # MoE: always-active experts; they absorb dv
     branch_scale: float = 1.0  # T = v + branch_scale * branch (Granite's residual_multiplier)
     parallel: bool = False  # attention and MLP read the same layer input (GPT-J, Falcon 7B)
     mixer: str = "attention"  # the token mixer before the MLP: "attention", "linear attention"
@@ -90,7 +146,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
             pass
     candidates.append(model)
     for owner in candidates:
-        for path in ("layers", "h", "model.layers", "transformer.h", "language_model.layers"):
+        for path in ("layers", "h", "model.layers", "transformer.h", "language_model.layers",
+                     "blocks", "transformer.blocks"):  # (MPT)
             obj: object = owner
             for part in path.split("."):
                 obj = getattr(obj, part, None)
