@@ -207,8 +207,7 @@ def _plans(run: Run) -> tuple[Any, ...]:
 
 def _controllability_html(run: Run) -> str:
     """The conditioning line and, per patched layer, its mixer, controls and what happened."""
-    from app.panels.control_panel import run_cell
-    from app.state import param_key
+    from app.panels.control_panel import param_list, run_cell
     from core.controllability import conditioning_line, outcome
 
     line = conditioning_line(run.record.get("summary", {}).get("conditioning"))
@@ -216,11 +215,7 @@ def _controllability_html(run: Run) -> str:
     if not plans:
         return f"<p>{_esc(line)}</p>"
     result = outcome(run.steps, plans)
-
-    def short(names: tuple[str, ...], layer: int) -> str:
-        return ", ".join(param_key(n, layer) for n in names) or "—"
-
-    rows = [(p.layer, p.mixer, short(p.inputs, p.layer), short(p.outputs, p.layer),
+    rows = [(p.layer, p.mixer, param_list(p.inputs, p.layer), param_list(p.outputs, p.layer),
              f"{result[p.layer]['max_entry_ratio']:.3g}", run_cell(result[p.layer]))
             for p in plans]
     head = ("layer", "mixer", "input control", "output control", "largest entry / weight's",

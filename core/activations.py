@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from core.patches import Rank1
+
 
 def first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
     if args and isinstance(args[0], Tensor):
@@ -49,3 +51,17 @@ def last_rows(original: Any, patched: Any, last_only: bool) -> Any:
     out = original.clone()
     out[-1:] = patched[-1:]
     return out
+
+
+def rank1_action(x: Tensor, y: Tensor, r: Rank1, last_only: bool) -> Tensor:
+    """``y + u (a . x)`` on every row of a ``(..., rows, width)`` activation (batch is 1; MoE
+    and OPT modules see the rows flattened), or on the last row only (the query, as in
+    `query_row`); computed in the patch dtype, cast back to ``y``'s dtype."""
+    ct = r.u.dtype
+    x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+    if last_only:
+        out = y2.clone()
+        out[-1] = (y2[-1].to(ct) + (x2[-1].to(ct) @ r.a) * r.u).to(y.dtype)
+    else:
+        out = (y2.to(ct) + (x2.to(ct) @ r.a)[:, None] * r.u).to(y.dtype)
+    return out.reshape(y.shape)

@@ -26,7 +26,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from core.activations import first_input, first_output, query_row, replace_output
+from core.activations import (
+    first_input,
+    first_output,
+    query_row,
+    rank1_action,
+    replace_output,
+)
 from core.adapters.base import LayerSites
 from core.engine_moe import MoEHooks, record_moe
 from core.errors import Cancelled
@@ -213,17 +219,6 @@ def recording(
         yield targets
 
 
-def _act(x: Tensor, y: Tensor, r: Rank1, last_only: bool) -> Tensor:
-    """``y + u (a . x)`` computed in the patch dtype, cast back to ``y``'s dtype."""
-    ct = r.u.dtype
-    if last_only or y.shape[1] == 1:
-        out = y.clone()
-        xq, yq = x[:, -1:], y[:, -1:]
-        out[:, -1:] = (yq.to(ct) + (xq.to(ct) @ r.a)[..., None] * r.u).to(y.dtype)
-        return out
-    return (y.to(ct) + (x.to(ct) @ r.a)[..., None] * r.u).to(y.dtype)
-
-
 def _norm_eps(module: nn.Module) -> float:
     for name in ("eps", "variance_epsilon", "epsilon"):
         if hasattr(module, name):
@@ -278,6 +273,9 @@ class _LayerPatcher(MoEHooks):
         self.v_parts.append(query_row(x, self.dtype))
 
     def on_input(self, role: str) -> Callable[[nn.Module, Any, Any], Any]:
+        """The rank-1 input patch of the matrix whose full-context output is
+        ``t.inputs[role]`` (a shared expert's roles are keyed by `engine_moe._shared_key`)."""
+
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
             if "input" in self.spec.disabled:
                 return None
@@ -289,7 +287,7 @@ class _LayerPatcher(MoEHooks):
                 return None
             r = self._rank1(r)
             self.result.patches[self._name(module, "weight")] = r
-            return replace_output(output, _act(x, y, r, self.spec.last_only))
+            return replace_output(output, rank1_action(x, y, r, self.spec.last_only))
 
         return hook
 
@@ -303,7 +301,7 @@ class _LayerPatcher(MoEHooks):
             self.result.patches[self._name(module, "bias")] = d
             out = y.clone()
             sl = slice(-1, None) if spec.last_only else slice(None)
-            out[:, sl] = (out[:, sl].to(d.delta.dtype) + d.delta).to(y.dtype)
+            out[..., sl, :] = (out[..., sl, :].to(d.delta.dtype) + d.delta).to(y.dtype)
             return replace_output(output, out)
         post_norm = self.s.out_norm is not None
         if spec.control in ("matrix", "experts") and not post_norm:  # (experts: a dense layer)
@@ -327,7 +325,7 @@ class _LayerPatcher(MoEHooks):
             return None
         r = self._rank1(r)
         self.result.patches[self._name(module, "weight")] = r
-        return replace_output(output, _act(x, y, r, spec.last_only))
+        return replace_output(output, rank1_action(x, y, r, spec.last_only))
 
     def _scale(self) -> Tensor:
         norm = self.s.out_norm
@@ -352,9 +350,9 @@ class _LayerPatcher(MoEHooks):
         patched = plain_call(module, {"weight": weight}, h)
         y = first_output(output)
         patched = patched.to(y.dtype)
-        if self.spec.last_only and y.shape[1] > 1:
+        if self.spec.last_only and y.shape[-2] > 1:  # (rows last but one: OPT flattens them)
             out = y.clone()
-            out[:, -1:] = patched[:, -1:]
+            out[..., -1:, :] = patched[..., -1:, :]
             patched = out
         return replace_output(output, patched)
 

@@ -32,7 +32,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from core.activations import first_input, first_output, last_rows, query_row, replace_output
+from core.activations import (
+    first_input,
+    first_output,
+    last_rows,
+    query_row,
+    rank1_action,
+    replace_output,
+)
 from core.adapters.base import ExpertsView, LayerSites, SharedExpert
 from core.forward import written_
 from core.offload import is_offloaded, plain_call, resident
@@ -96,19 +103,6 @@ def _shared_inputs(shared: SharedExpert) -> tuple[tuple[str, nn.Module], ...]:
     return (*shared.inputs, *gate)
 
 
-def _act_rows(x: Tensor, y: Tensor, r: Rank1, last_only: bool) -> Tensor:
-    """``y + u (a . x)`` on every row of a ``(..., rows, width)`` activation, or on the last row
-    only; computed in the patch dtype, cast back to ``y``'s dtype."""
-    ct = r.u.dtype
-    x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
-    if last_only:
-        out = y2.clone()
-        out[-1] = (y2[-1].to(ct) + (x2[-1].to(ct) @ r.a) * r.u).to(y.dtype)
-    else:
-        out = (y2.to(ct) + (x2.to(ct) @ r.a)[:, None] * r.u).to(y.dtype)
-    return out.reshape(y.shape)
-
-
 class MoEHooks:
     """``on_router``, ``on_experts`` and the shared experts' hooks, for
     `core.engine._LayerPatcher`."""
@@ -121,6 +115,9 @@ class MoEHooks:
     _moe_z: Tensor | None = None  # the router's reduced input at the query (this forward)
 
     def _rank1(self, r: Rank1) -> Rank1:  # provided by the patcher
+        raise NotImplementedError
+
+    def on_input(self, role: str) -> Callable[[nn.Module, Any, Any], Any]:  # by the patcher
         raise NotImplementedError
 
     def _name(self, module: nn.Module, param: str) -> str:  # provided by the patcher
@@ -263,24 +260,8 @@ class MoEHooks:
         registers the router's and the routed experts')."""
         for k, shared in enumerate(self.s.shared):
             for role, module in _shared_inputs(shared):
-                add(module.register_forward_hook(self._on_shared_input(_shared_key(k, role))))
+                add(module.register_forward_hook(self.on_input(_shared_key(k, role))))
             add(shared.down.register_forward_hook(self._on_shared_down(k, shared)))
-
-    def _on_shared_input(self, key: str) -> Callable[[nn.Module, Any, Any], Any]:
-        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-            if "input" in self.spec.disabled:
-                return None
-            x, y = args[0], first_output(output)
-            q = self.dtype
-            r = rank1_input_patch(self.t.inputs[key], query_row(y, q), query_row(x, q))
-            if r is None:
-                self.result.zero_z = True
-                return None
-            r = self._rank1(r)
-            self.result.patches[self._name(module, "weight")] = r
-            return replace_output(output, _act_rows(x, y, r, self.spec.last_only))
-
-        return hook
 
     def _on_shared_down(self, k: int, shared: SharedExpert) -> Callable[[nn.Module, Any, Any], Any]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
@@ -297,6 +278,6 @@ class MoEHooks:
                 return None
             r = self._rank1(r)
             self.result.patches[self._name(module, "weight")] = r
-            return replace_output(output, _act_rows(x, y, r, self.spec.last_only))
+            return replace_output(output, rank1_action(x, y, r, self.spec.last_only))
 
         return hook

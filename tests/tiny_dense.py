@@ -44,13 +44,6 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "bloom_post_ln_residual": ("bloom", {"hidden_size": 32, "n_layer": 4, "n_head": 4,
                                          "apply_residual_connection_post_layernorm": True,
                                          **_BIG_INIT, **_IDS}),
-}
-
-#: families whose adapter is built but which the shared ground-truth tests cannot take yet
-#: (tests/core/test_families_dense.py covers them): MPT, whose parameters are named
-#: ``transformer.blocks.{i}.*`` where test_verify_detects_a_missing_patch drops ``(layers|h).{i}``,
-#: and OPT (not registered, see `core.adapters.classic.PENDING`)
-PENDING: dict[str, tuple[str, dict[str, Any]]] = {
     "mpt": ("mpt", {"d_model": 32, "n_heads": 4, "n_layers": 4, "max_seq_len": 512,
                     "expansion_ratio": 2, **_BIG_INIT, **_IDS}),
     "opt": ("opt", {"hidden_size": 32, "ffn_dim": 64, "num_hidden_layers": 4,

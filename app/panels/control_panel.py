@@ -25,7 +25,7 @@ COLUMNS = ("layer", "mixer", "input control", "output control", "seen in the wei
            "this run")
 
 
-def _short(names: tuple[str, ...], layer: int) -> str:
+def param_list(names: tuple[str, ...], layer: int) -> str:
     from app.state import param_key
 
     return ", ".join(param_key(n, layer) for n in names) or "—"
@@ -88,8 +88,8 @@ class QtControlPanel(QWidget):
         plans = self.state.started.plan if self.state.started is not None else ()
         self.table.setRowCount(len(plans))
         for r, p in enumerate(plans):
-            cells = (str(p.layer), p.mixer, _short(p.inputs, p.layer).replace(", ", "\n"),
-                     _short(p.outputs, p.layer).replace(", ", "\n"),
+            cells = (str(p.layer), p.mixer, param_list(p.inputs, p.layer).replace(", ", "\n"),
+                     param_list(p.outputs, p.layer).replace(", ", "\n"),
                      "\n".join(p.warnings) or "—", "")
             for c, text in enumerate(cells):
                 item = QTableWidgetItem(text)

@@ -27,9 +27,8 @@ other paths (issue 17). Each is a `Layout` over its own transformers modules.
   runs them on flattened ``(tokens, width)`` rows; ``do_layer_norm_before`` (all but 350m):
   ``v`` is the input of ``final_layer_norm``; otherwise (350m, post-LN) ``v`` is the output of
   ``self_attn_layer_norm``, ``fc1`` reads it directly, and ``final_layer_norm`` is applied to
-  ``v + mlp`` (matching ``v + mlp`` matches the block output). Built and exact with scope
-  "all-positions", but not registered yet (`PENDING`): the engine's query-only action slices
-  ``(1, seq, width)`` activations, not OPT's flattened rows.
+  ``v + mlp`` (matching ``v + mlp`` matches the block output). The engine acts on the last
+  row of its flattened rows at the query.
 - MPT (``mpt``, `MptBlock`): layers under ``transformer.blocks``; ALiBi; LayerNorms without
   bias; ``v`` is the input of ``norm_2``; the MLP is ``ffn.up_proj`` / ``ffn.down_proj`` (GELU,
   no biases) and adds the residual after ``down_proj``.
@@ -131,9 +130,4 @@ MPT = declarative(
     notes=("ALiBi attention: no position ids", "no biases: the down matrix is the output control"),
 )
 
-ADAPTERS = (PHI, STARCODER2, STABLELM, CODEGEN, GPT_BIGCODE, BLOOM, MPT)
-
-#: built and exact with scope "all-positions", not yet registered: OPT's layer runs ``fc1`` and
-#: ``fc2`` on flattened ``(tokens, width)`` rows, and the engine's rank-1 action at the query
-#: alone (scope "query", or the bias at the query) slices ``[:, -1:]``, the last *column* there
-PENDING = (OPT,)
+ADAPTERS = (PHI, STARCODER2, STABLELM, CODEGEN, GPT_BIGCODE, BLOOM, MPT, OPT)

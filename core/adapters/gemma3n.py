@@ -28,26 +28,15 @@ Mirrors ``transformers/models/gemma3n/modeling_gemma3n.py`` (`Gemma3nTextDecoder
 
 from __future__ import annotations
 
-from torch import nn
 
-from core.adapters.base import Adapter, LayerSites
-
-
-def _sites(layer: nn.Module) -> LayerSites:
-    mlp = layer.mlp
-    return LayerSites(
-        layer=layer,
-        v_sources=((layer.pre_feedforward_layernorm, "input"),),
-        inputs=(("gate", mlp.gate_proj), ("up", mlp.up_proj)),
-        out_matrix=mlp.down_proj,
-        out_norm=layer.post_feedforward_layernorm,
-    )
+from core.adapters import gemma3
+from core.adapters.base import Adapter
 
 
 ADAPTER = Adapter(
     family="Gemma 3n",
     model_types=("gemma3n_text",),
-    sites=_sites,
+    sites=gemma3._sites,  # the same four norms and GeGLU MLP
     output_controls=("scale", "matrix"),
     norm_offset=0.0,
     notes=(

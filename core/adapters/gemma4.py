@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from core.adapters import gemma3
 from core.adapters.base import Adapter, LayerSites
 from core.errors import UserError
 
@@ -34,14 +35,7 @@ def _sites(layer: nn.Module) -> LayerSites:
     if getattr(layer, "enable_moe_block", False):
         raise UserError("Gemma 4 with its mixture-of-experts block (enable_moe_block) is not "
                         "supported yet: only dense Gemma 4 models")
-    mlp = layer.mlp
-    return LayerSites(
-        layer=layer,
-        v_sources=((layer.pre_feedforward_layernorm, "input"),),
-        inputs=(("gate", mlp.gate_proj), ("up", mlp.up_proj)),
-        out_matrix=mlp.down_proj,
-        out_norm=layer.post_feedforward_layernorm,
-    )
+    return gemma3._sites(layer)  # the same four norms and GeGLU MLP
 
 
 ADAPTER = Adapter(

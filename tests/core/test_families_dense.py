@@ -8,15 +8,12 @@ configs are merged into its families); these check where the adapters point.
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import re
 
 import pytest
 import torch
-from tiny import TINY, randomize_norms, tiny_config, tiny_loaded, tiny_tokenizer
-from tiny_dense import PENDING
+from tiny import tiny_config, tiny_loaded
 
-from core.adapters import REGISTRY, Adapter, adapter_for_config, classic
+from core.adapters import REGISTRY, adapter_for_config
 from core.adapters.declarative import Layout, declarative, tp_plan_mlp
 from core.compare import Settings, iter_token_patches
 from core.errors import UserError
@@ -26,12 +23,7 @@ EXACT = 1e-6  # of the logit scale, as in test_ground_truth.py
 
 
 def _config(name: str):  # type: ignore[no-untyped-def]
-    from transformers import AutoConfig
-
-    if name in TINY:
-        return tiny_config(name)
-    model_type, overrides = PENDING[name]
-    return AutoConfig.for_model(model_type, vocab_size=320, **overrides)
+    return tiny_config(name)
 
 
 def _model(name: str, **overrides):  # type: ignore[no-untyped-def]
@@ -44,15 +36,9 @@ def _model(name: str, **overrides):  # type: ignore[no-untyped-def]
     return AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
 
 
-def _adapter(config) -> Adapter:  # type: ignore[no-untyped-def]
-    """The registered adapter, or a built one not registered yet (`classic.PENDING`)."""
-    pending = [a for a in classic.PENDING if config.model_type in a.model_types]
-    return pending[0] if pending else adapter_for_config(config)
-
-
 def _sites(name: str, **overrides):  # type: ignore[no-untyped-def]
     model = _model(name, **overrides)
-    adapter = _adapter(model.config)
+    adapter = adapter_for_config(model.config)
     return adapter, adapter.sites(adapter.layers(model)[1])
 
 
@@ -155,90 +141,3 @@ def test_bias_controls_are_offered_where_the_family_can_have_biases() -> None:
         assert s.out_matrix.bias is not None, name  # the tiny configs build them
     for name in ("ministral3", "hunyuan_v1_dense", "stablelm", "mpt", "glm4", "apertus"):
         assert "bias" not in adapter_for_config(_config(name)).output_controls, name
-
-
-# --- the families test_ground_truth.py cannot take yet (tests/tiny_dense.py's PENDING) ---------
-
-
-def _pending(name: str):  # type: ignore[no-untyped-def]
-    """A `LoadedModel` of a PENDING family, with its adapter even where it is not registered."""
-    from transformers import AutoModelForCausalLM
-
-    from core.loading import LoadedModel
-
-    config = _config(name)
-    adapter = _adapter(config)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
-    randomize_norms(model, 0)
-    return LoadedModel(model=model, tokenizer=tiny_tokenizer(320), adapter=adapter,
-                       spec=f"tiny-{name}", source="memory", dtype=torch.float64,
-                       device=torch.device("cpu"))
-
-
-def _run(loaded, tokens: int = 4, **kw):  # type: ignore[no-untyped-def]
-    prompt = build_prompt(loaded.tokenizer, "The quick brown fox jumps over the lazy dog.",
-                          "Hello world!")
-    settings = Settings(max_new_tokens=tokens, **kw)
-    return settings, list(iter_token_patches(loaded, prompt, settings))
-
-
-def _scopes(name: str) -> list[str]:
-    return ["all-positions"] if name.startswith("opt") else ["all-positions", "query"]
-
-
-@pytest.mark.parametrize("name", sorted(PENDING))
-def test_pending_family_ground_truth(name: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """test_ground_truth.py's checks, in short: exact for both methods and absorb modes (OPT:
-    scope all-positions only), every output control exact, the saved patches reproduce the
-    logits and dropping the last layer's breaks them, the negative controls, layer selection."""
-    from safetensors.numpy import load_file, save_file
-
-    from core.export import save_patches
-    from core.verify import read_patches, verify_patches
-
-    loaded = _pending(name)
-    for method, absorb, scope in itertools.product(("direct", "stable"), ("context", "all"),
-                                                   _scopes(name)):
-        _, steps = _run(loaded, method=method, absorb=absorb, scope=scope)
-        for s in steps:
-            assert s.patched.match and s.patched.linf <= EXACT * s.logit_scale, (method, absorb)
-            assert s.control.linf > 1e3 * EXACT * s.logit_scale
-            assert max(i["block_error"] for i in s.layer_info.values()) < 1e-5
-    for control, absorb in itertools.product(loaded.adapter.output_controls, ("context", "all")):
-        _, steps = _run(loaded, absorb=absorb, output_control=control)
-        assert max(s.patched.linf / s.logit_scale for s in steps) <= EXACT, control
-    for absorb in ("context", "all"):
-        settings, steps = _run(loaded, absorb=absorb, keep_patches=True)
-        path = tmp_path / f"{absorb}.safetensors"
-        save_patches(path, steps, "tiny", "float64", settings)
-        checks = verify_patches(loaded, read_patches(path))
-        assert all(c.match and c.linf <= 1e-6 * c.scale for c in checks)
-        last = len(loaded.adapter.layers(loaded.model)) - 1
-        tensors = load_file(str(path))
-        kept = {k: v for k, v in tensors.items()
-                if not re.search(rf"(layers|h|blocks)\.{last}\.", k)}
-        assert 0 < len(kept) < len(tensors)
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="np") as f:
-            meta = f.metadata()
-        save_file(kept, str(path), metadata=meta)
-        assert max(c.linf / c.scale for c in verify_patches(loaded, read_patches(path))) > 1e-3
-
-    def worst(disabled: str) -> float:
-        return max(s.patched.linf / s.logit_scale for absorb in ("context", "all")
-                   for s in _run(loaded, absorb=absorb, disabled=frozenset({disabled}))[1])
-
-    assert worst("output") > 1e3 * EXACT and worst("input") > 10 * EXACT
-    n = len(loaded.adapter.layers(loaded.model))
-    _, steps = _run(loaded, absorb="all", layers=f"{n - 2}:")
-    assert max(s.patched.linf / s.logit_scale for s in steps) <= 1e-5
-
-
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="OPT runs fc1/fc2 on (tokens, width) rows; the engine's query-only "
-                          "rank-1 action slices [:, -1:] (core.adapters.classic.PENDING)")
-def test_opt_scope_query_needs_the_engine_to_act_on_flattened_rows() -> None:
-    _, steps = _run(_pending("opt"), absorb="context", scope="query")
-    assert max(s.patched.linf / s.logit_scale for s in steps) <= EXACT
