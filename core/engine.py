@@ -61,7 +61,6 @@ class LayerTargets:
     down: Tensor | None = None  # h_down,C (d,)
     branch: Tensor | None = None  # m * N(h_down,C) or h_down,C (d,)
     block: Tensor | None = None  # T_C (d,)
-    z: Tensor | None = None  # MoE: the experts' input z_C (d,)
 
     @property
     def v(self) -> Tensor:
@@ -195,15 +194,6 @@ def recording(
             if s.out_matrix is not None:
                 add(s.out_matrix.register_forward_hook(keep_down))
             if s.router is not None and s.experts is not None:
-
-                def keep_router(m: nn.Module, a: Any, out: Any, t: LayerTargets = t) -> None:
-                    t.inputs["router"] = query_row(first_output(out), dtype)
-
-                def keep_z(m: nn.Module, args: tuple[Any, ...], t: LayerTargets = t) -> None:
-                    t.z = query_row(args[0], dtype)
-
-                add(s.router.register_forward_hook(keep_router))
-                add(s.experts.register_forward_pre_hook(keep_z))
                 record_moe(add, s, t, dtype)  # the router's input, the shared experts
             if s.out_norm is not None:
 
