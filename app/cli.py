@@ -23,7 +23,7 @@ EXAMPLES_COMPARE = """examples:
       from the perspective of a slightly annoyed robot:" --json mars.json
   ctxpatch compare --context "Alice lives in Paris." --query "Where does Alice live?" \\
       --method stable --dtype bfloat16 --save-patches p.safetensors
-  ctxpatch compare --model google/gemma-3-4b-it --chat-template --image cat.png \
+  ctxpatch compare --model google/gemma-3-4b-it --chat-template --image cat.png \\
       --query "Describe this image in 10 words." --report cat.html
 """
 EXAMPLES_BENCH = """examples:
@@ -42,10 +42,25 @@ EXAMPLES_VERIFY = """examples:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad option as one line and exit status 2."""
+    """argparse that reports a bad option as one line and exit status 2; with
+    ``families_in_help`` its help ends with the supported families, read from the adapter
+    registry only when the help is shown (the registry imports torch)."""
+
+    families_in_help = False
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"ctxpatch: error: {message} (see {self.prog} --help)\n")
+
+    def format_help(self) -> str:
+        if not self.families_in_help:
+            return super().format_help()
+        import textwrap
+
+        from core.adapters import supported_families
+
+        families = textwrap.fill("supported families (model types): " + supported_families(),
+                                 width=100, subsequent_indent="  ", break_on_hyphens=False)
+        return super().format_help() + "\n" + families + "\n"
 
 
 def _model_options(p: argparse.ArgumentParser, dtype_default: str | None = "float32") -> None:
@@ -123,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         "compare", help="run one comparison headless", epilog=EXAMPLES_COMPARE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    compare.families_in_help = True
     _compare_options(compare)
     verify = sub.add_parser(
         "verify", help="write saved patches into a copy of the weights and compare logits",

@@ -29,6 +29,7 @@ CONDITIONS = {
     "frozen": "|dv| <= 2 sqrt(d) max|m| (beyond it no change before the frozen norm can "
               "absorb the shift, PAPER.md section 7)",
     "experts": "S != 0 (the active routing weights' sum) and every active expert's h != 0",
+    "shared": "every shared expert's h != 0 and gate value != 0 (the shared experts absorb dv)",
 }
 
 
@@ -73,7 +74,13 @@ def plan(loaded: LoadedModel, settings: Settings) -> list[LayerPlan]:
             ex = names[id(s.experts)]
             inputs = [f"{names[id(s.router)]}.weight", f"{ex}.gate_up_proj[active]"]
             outputs = [f"{ex}.down_proj[active]"]
-            conditions.append(CONDITIONS["experts"])
+            conditions.append(CONDITIONS["shared" if s.shared else "experts"])
+            if s.shared:  # always-active experts: their inputs (and gate) too; they absorb dv
+                for shared in s.shared:
+                    inputs += [f"{names[id(m)]}.weight" for _, m in shared.inputs]
+                    if shared.gate is not None:
+                        inputs.append(f"{names[id(shared.gate)]}.weight")
+                outputs = [f"{names[id(shared.down)]}.weight" for shared in s.shared]
         elif control == "matrix" and s.out_norm is not None and s.out_matrix is not None:
             outputs = [f"{names[id(s.out_matrix)]}.weight"]
             conditions.append(CONDITIONS["frozen"])

@@ -134,3 +134,32 @@ def test_a_nonfinite_patch_names_its_layer(monkeypatch) -> None:  # type: ignore
     llama = tiny_loaded(tiny_config("llama"))
     with pytest.raises(UserError, match=r"numerical fault at token 1, layer 2: a patch vector"):
         _steps(llama, Settings(max_new_tokens=2))
+
+
+def _patched_params(step) -> set[str]:  # type: ignore[no-untyped-def]
+    """The parameters a step's patches touch, with expert slices folded to ``[active]``."""
+    import re
+
+    names = set()
+    for key in step.patches:
+        param = key.rsplit(".", 1)[0]  # "{param}.u" / ".v" / ".delta"
+        names.add(re.sub(r"\[\d+\]$", "[active]", param))
+    return names
+
+
+def test_the_plan_names_what_the_run_patches_shared_experts_included() -> None:
+    """DeepSeek V3 and Qwen2-MoE: the shared experts' gate/up (and Qwen's gate) are input
+    controls, their down matrices the output control; every name the plan gives is a parameter
+    the run patched, and every patched parameter is in the plan."""
+    for family in ("deepseek_v3", "qwen2_moe"):
+        loaded = tiny_loaded(tiny_config(family))
+        settings = Settings(max_new_tokens=1, absorb="all", keep_patches=True)
+        layer_plans = plan(loaded, settings)
+        prompt = build_prompt(loaded.tokenizer, CONTEXT, QUERY)
+        step = next(iter(iter_token_patches(loaded, prompt, settings)))
+        planned = {n for p in layer_plans for n in (*p.inputs, *p.outputs)}
+        assert _patched_params(step) == planned, family
+        shared = [p for p in layer_plans if any("shared" in n for n in p.outputs)]
+        assert shared and all("shared experts absorb dv" in " ".join(p.conditions)
+                              for p in shared)
+        assert not any("down_proj[active]" in n for p in shared for n in p.outputs)
