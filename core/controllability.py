@@ -70,7 +70,13 @@ def plan(loaded: LoadedModel, settings: Settings) -> list[LayerPlan]:
         conditions = [CONDITIONS["input"]]
         warnings: list[str] = []
         bound = None
-        if s.experts is not None and s.router is not None:
+        if s.experts is not None and s.router is not None and s.out_norm is not None:
+            # experts beside a dense MLP under one post-norm (Gemma 4): its scale absorbs dv
+            ex = names[id(s.experts)]
+            inputs += [f"{names[id(s.router)]}.weight", f"{ex}.gate_up_proj[active]"]
+            outputs = [f"{names[id(s.out_norm)]}.weight"]
+            conditions.append(CONDITIONS["scale"])
+        elif s.experts is not None and s.router is not None:
             ex = names[id(s.experts)]
             inputs = [f"{names[id(s.router)]}.weight", f"{ex}.gate_up_proj[active]"]
             outputs = [f"{ex}.down_proj[active]"]

@@ -11,10 +11,15 @@ whose state (sites, targets, spec, result, dtype) they share.
 - A routed expert reads ``c z`` with ``c`` the same in both runs (1, or Llama 4's score), so the
   same patch of its ``gate_up`` slice, acting on ``c z``, gives ``c W z_C``: its full-context
   pre-activation.
+- Experts that read their own input ``x`` rather than the router's (Gemma 4:
+  ``pre_feedforward_layernorm_2(v)`` while the router reads ``v``; ``experts_own_input``) get
+  the same patch built from ``x`` and its recorded full-context value ``x_C``.
 - The output correction goes to the shared experts when the layer has any (`SharedExpert`: each
-  adds ``dv / (n g_C)``), else to the active routed experts' ``down`` slices, each adding
-  ``dv / S`` with ``S`` the sum of their output weights (routing weights; 1 each when the
-  routing scales the input), so ``sum_e w_e dW_e h_e = dv``.
+  adds ``dv / (n g_C)``), else to a post-norm scale after the experts when the layer has one
+  (``out_norm``, Gemma 4: the engine's scale patch, once the inputs all match), else to the
+  active routed experts' ``down`` slices, each adding ``dv / S`` with ``S`` the sum of their
+  output weights (routing weights; 1 each when the routing scales the input), so
+  ``sum_e w_e dW_e h_e = dv``.
 - Fused experts are described by transformers' own flags (``use_experts_implementation``:
   ``is_transposed``, ``has_bias``, ``has_gate``), or by the layer's `ExpertsView`. An expert's
   gated activation comes from the module's own ``_apply_gate`` (gpt-oss's clamped, interleaved
@@ -47,6 +52,8 @@ from core.patches import Rank1, matrix_output_patch, rank1_input_patch
 
 #: key in ``LayerTargets.inputs`` of the router's full-context input ``z_C`` (not a matrix output)
 ROUTER_Z = "moe.z"
+#: the same for the experts' own full-context input ``x_C`` (``LayerSites.experts_own_input``)
+EXPERTS_Z = "moe.x"
 
 
 def _shared_key(k: int, role: str) -> str:
@@ -82,13 +89,18 @@ def _activation(module: nn.Module, pre: Tensor) -> Tensor:
 
 def record_moe(add: Callable[[Any], None], s: LayerSites, t: Any, dtype: torch.dtype) -> None:
     """Register the full-context hooks of an MoE layer beyond `core.engine.recording`'s own: the
-    router's input ``z_C``, and the outputs of the shared experts' input matrices and gates."""
-    assert s.router is not None
+    router's input ``z_C`` (and the experts' own ``x_C`` when they read another), and the outputs
+    of the shared experts' input matrices and gates."""
+    assert s.router is not None and s.experts is not None
+    owners = ((ROUTER_Z, s.router), (EXPERTS_Z, s.experts)) if s.experts_own_input else \
+        ((ROUTER_Z, s.router),)
+    for key, owner in owners:
 
-    def keep_z(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        t.inputs[ROUTER_Z] = query_row(first_input(args, kwargs), dtype)
+        def keep_z(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   key: str = key) -> None:
+            t.inputs[key] = query_row(first_input(args, kwargs), dtype)
 
-    add(s.router.register_forward_pre_hook(keep_z, with_kwargs=True))
+        add(owner.register_forward_pre_hook(keep_z, with_kwargs=True))
     for k, shared in enumerate(s.shared):
         for role, module in _shared_inputs(shared):
 
@@ -153,9 +165,9 @@ class MoEHooks:
 
     def on_experts(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         """Patch every active expert at the query: its ``gate_up`` slice so the reduced input gives
-        the full-context pre-activation, and (when no shared expert absorbs ``dv``) its ``down``
-        slice to add ``dv / S``. The slices are written in place for one recomputation of the
-        experts by their own forward and restored at once."""
+        the full-context pre-activation, and (when no shared expert or post-norm scale absorbs
+        ``dv``) its ``down`` slice to add ``dv / S``. The slices are written in place for one
+        recomputation of the experts by their own forward and restored at once."""
         view = experts_view(self.s, module)
         x = args[0]
         one = torch.ones((), dtype=self.dtype)
@@ -173,11 +185,15 @@ class MoEHooks:
             picked = {}
         out_w = {e: picked[e] if view.routing == "output" else one for e in active}
         use_input = "input" not in self.spec.disabled
-        z, z_c = self._moe_z, self.t.inputs.get(ROUTER_Z)
+        if self.s.experts_own_input:  # (one row per token: the experts' x is the patch's z)
+            assert view.rows == "tokens", "experts_own_input needs one input row per token"
+            z, z_c = query_row(x, self.dtype), self.t.inputs.get(EXPERTS_Z)
+        else:
+            z, z_c = self._moe_z, self.t.inputs.get(ROUTER_Z)
         if z is None:  # no router hook ran before (it always does in these families)
             z = query_row(x, self.dtype)
         dv = None
-        if "output" not in self.spec.disabled and not self.s.shared:
+        if "output" not in self.spec.disabled and not self.s.shared and self.s.out_norm is None:
             s_sum = torch.stack(list(out_w.values())).sum() if active else 0 * one
             if float(s_sum) == 0.0:
                 self.result.zero_s = True

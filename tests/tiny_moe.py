@@ -69,4 +69,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                   "num_experts_per_tok": 2, "residual_multiplier": 0.7,
                                   "embedding_multiplier": 2.0, "attention_multiplier": 0.3,
                                   "logits_scaling": 1.5}),
+    # Gemma 4's MoE kind (26B A4B): a dense GeGLU MLP beside softmax top-2 of 4 experts in every
+    # layer, the sum post-normed; global layers' keys are their values, soft-capped logits
+    # (tests/core/test_families_moe.py also randomises the router's scale and per-expert scale)
+    "gemma4_text_moe": ("gemma4_text", {
+        **_BASE, "num_attention_heads": 2, "head_dim": 16, "global_head_dim": 32,
+        "num_global_key_value_heads": 1, "attention_k_eq_v": True, "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "hidden_size_per_layer_input": 0, "final_logit_softcapping": 30.0,
+        "intermediate_size": 64, "enable_moe_block": True, "num_experts": 4,
+        "top_k_experts": 2, "moe_intermediate_size": 16}),
 }

@@ -17,7 +17,12 @@ For one decoder layer it names:
   says how the fused experts are stored when transformers' own flags do not (`ExpertsView`);
 - ``shared``: always-active experts beside the routed ones (DeepSeek, Qwen2-MoE, Llama 4): their
   input matrices (and a gate's linear) get rank-1 input patches, and their output matrices
-  absorb ``dv`` instead of the routed experts (`SharedExpert`).
+  absorb ``dv`` instead of the routed experts (`SharedExpert`);
+- an MoE layer with ``out_norm`` (Gemma 4: a dense MLP in ``inputs`` beside the experts, both
+  summed under that norm) gives ``dv`` to the norm's scale: the routed experts get input patches
+  only; ``experts_own_input`` says the experts read their own input (Gemma 4's
+  ``pre_feedforward_layernorm_2(v)``), not the router's, so their patches use its full-context
+  value.
 
 The branch output that is added to ``v`` is ``out_norm(out_matrix(...))`` when ``out_norm``
 exists, else ``out_matrix(...)``, times ``branch_scale`` (Granite's residual multiplier); so
@@ -100,6 +105,7 @@ class LayerSites:
     #                                   (z, top_k_index, top_k_weights) or as experts_view says
     experts_view: ExpertsView | None = None  # MoE: None reads transformers' own flags
     shared: tuple[SharedExpert, ...] = ()  # MoE: always-active experts; they absorb dv
+    experts_own_input: bool = False  # MoE: the experts' input is not the router's (Gemma 4)
     branch_scale: float = 1.0  # T = v + branch_scale * branch (Granite's residual_multiplier)
     parallel: bool = False  # attention and MLP read the same layer input (GPT-J, Falcon 7B)
     mixer: str = "attention"  # the token mixer before the MLP: "attention", "linear attention"

@@ -16,10 +16,18 @@ Mirrors ``transformers/models/gemma4/modeling_gemma4.py`` (`Gemma4TextDecoderLay
   earlier layer of their type (in the reduced run: the reduced sequence's own); their attention
   output differs like any other and ``dv`` absorbs it;
 - ``use_double_wide_mlp`` doubles the MLP width of the KV-shared layers (no change here);
-- ``enable_moe_block`` adds a second branch beside the dense MLP: a router on the raw ``v``
-  and fused experts on ``pre_feedforward_layernorm_2(v)``, each branch post-normed, summed and
-  normed again by ``post_feedforward_layernorm``: such models are not supported yet (see
-  `sites`).
+- ``enable_moe_block`` (`Gemma4TextRouter`, `Gemma4TextExperts`) adds a second branch beside
+  the dense MLP: ``s = post_feedforward_layernorm_1(mlp(pre_feedforward_layernorm(v))) +
+  post_feedforward_layernorm_2(experts(pre_feedforward_layernorm_2(v), router(v)))`` and
+  ``T = v + post_feedforward_layernorm(s)``. The input control makes every inner activation
+  that of the full context: the dense MLP's gate and up as above; the router's matrix
+  ``router.proj`` (its input is ``norm(v) * scale / sqrt(d)``) gets the rank-1 patch, so the
+  full-context probabilities, hence the same top-k experts with the same weights (renormalised,
+  times ``per_expert_scale``); every active expert's ``gate_up_proj[e]`` gets the rank-1 patch
+  on the experts' own input ``pre_feedforward_layernorm_2(v)`` (``experts_own_input``). Then
+  ``s = s_C`` and the output control is ``post_feedforward_layernorm``'s scale alone; no output
+  matrix (method "stable" is "direct" there: Appendix B's down fit needs the norm's input to
+  be the down output), and the experts' ``down_proj`` is never patched.
 """
 
 from __future__ import annotations
@@ -28,14 +36,22 @@ from torch import nn
 
 from core.adapters import gemma3
 from core.adapters.base import Adapter, LayerSites
-from core.errors import UserError
 
 
 def _sites(layer: nn.Module) -> LayerSites:
-    if getattr(layer, "enable_moe_block", False):
-        raise UserError("Gemma 4 with its mixture-of-experts block (enable_moe_block) is not "
-                        "supported yet: only dense Gemma 4 models")
-    return gemma3._sites(layer)  # the same four norms and GeGLU MLP
+    if not getattr(layer, "enable_moe_block", False):
+        return gemma3._sites(layer)  # the same four norms and GeGLU MLP
+    mlp = layer.mlp
+    return LayerSites(
+        layer=layer,
+        v_sources=((layer.pre_feedforward_layernorm, "input"),),
+        inputs=(("gate", mlp.gate_proj), ("up", mlp.up_proj)),
+        out_matrix=None,  # the scale of post_feedforward_layernorm absorbs dv
+        out_norm=layer.post_feedforward_layernorm,
+        router=layer.router.proj,
+        experts=layer.experts,
+        experts_own_input=True,
+    )
 
 
 ADAPTER = Adapter(
@@ -49,5 +65,8 @@ ADAPTER = Adapter(
         "RMSNorms compute in float32 even in float64 models (exactness ~1e-8 relative)",
         "per-layer embeddings and layer_scalar act after T = v + branch: matching T matches them",
         "KV-shared layers attend to an earlier layer's keys and values; dv absorbs the change",
+        "MoE variant (enable_moe_block): router.proj rank-1 (same experts, same weights), every "
+        "active expert's gate_up slice on its own pre-norm, the dense MLP's gate and up; the "
+        "post-feedforward scale alone absorbs dv (method 'stable' is 'direct' there)",
     ),
 )

@@ -149,9 +149,10 @@ def _patched_params(step) -> set[str]:  # type: ignore[no-untyped-def]
 
 def test_the_plan_names_what_the_run_patches_shared_experts_included() -> None:
     """DeepSeek V3 and Qwen2-MoE: the shared experts' gate/up (and Qwen's gate) are input
-    controls, their down matrices the output control; every name the plan gives is a parameter
-    the run patched, and every patched parameter is in the plan."""
-    for family in ("deepseek_v3", "qwen2_moe"):
+    controls, their down matrices the output control; Gemma 4's MoE block: the dense MLP, the
+    router and the experts at the input, the post-norm scale at the output. Every name the plan
+    gives is a parameter the run patched, and every patched parameter is in the plan."""
+    for family in ("deepseek_v3", "qwen2_moe", "gemma4_text_moe"):
         loaded = tiny_loaded(tiny_config(family))
         settings = Settings(max_new_tokens=1, absorb="all", keep_patches=True)
         layer_plans = plan(loaded, settings)
@@ -159,6 +160,10 @@ def test_the_plan_names_what_the_run_patches_shared_experts_included() -> None:
         step = next(iter(iter_token_patches(loaded, prompt, settings)))
         planned = {n for p in layer_plans for n in (*p.inputs, *p.outputs)}
         assert _patched_params(step) == planned, family
+        if family == "gemma4_text_moe":  # the post-norm scale, not the experts, absorbs dv
+            assert all(p.outputs == (f"model.layers.{p.layer}.post_feedforward_layernorm.weight",)
+                       for p in layer_plans)
+            continue
         shared = [p for p in layer_plans if any("shared" in n for n in p.outputs)]
         assert shared and all("shared experts absorb dv" in " ".join(p.conditions)
                               for p in shared)

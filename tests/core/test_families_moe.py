@@ -159,3 +159,92 @@ def test_a_gated_shared_expert_divides_by_its_gate() -> None:
     loaded = tiny_loaded(tiny_config("qwen2_moe"))
     ungated = _without(loaded, lambda x: dataclasses.replace(x, gate_fn=torch.ones_like))
     assert _worst(ungated) > 1e3 * EXACT
+
+
+# -- Gemma 4's MoE block: a dense MLP beside the experts, the sum under a post-norm ------------
+
+GEMMA4 = "gemma4_text_moe"
+
+
+def _gemma4_moe():  # type: ignore[no-untyped-def]
+    """The tiny Gemma 4 MoE with its routers' ``scale`` and ``per_expert_scale`` random too
+    (their init is ones: a per-expert scale the routing weights ignored would go unseen)."""
+    loaded = tiny_loaded(tiny_config(GEMMA4))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in loaded.adapter.layers(loaded.model):
+            for p in (layer.router.scale, layer.router.per_expert_scale):
+                p.add_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype) * 0.5)
+    return loaded
+
+
+@pytest.mark.parametrize("absorb,scope", [("context", "all-positions"), ("context", "query"),
+                                          ("all", "all-positions"), ("all", "query")])
+def test_gemma4_moe_is_exact_and_its_saved_patches_verify(absorb: str, scope: str,
+                                                          tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Router rank-1 on ``router.proj``, every active expert's ``gate_up_proj[e]`` on the
+    experts' own pre-norm, the dense MLP's gate and up; ``post_feedforward_layernorm``'s scale
+    alone absorbs ``dv`` (no expert's ``down_proj`` is patched); plain transformers with the
+    saved patches written in reproduce the full context, with the same routing."""
+    from core.export import save_patches
+    from core.verify import read_patches, verify_patches
+
+    loaded = _gemma4_moe()
+    settings = Settings(max_new_tokens=TOKENS, absorb=absorb, scope=scope, keep_patches=True)
+    prompt = build_prompt(loaded.tokenizer, CONTEXT, QUERY)
+    steps = list(iter_token_patches(loaded, prompt, settings))
+    assert len(steps) == TOKENS
+    for s in steps:
+        assert s.patched.match
+        assert s.patched.linf <= EXACT * s.logit_scale, (s.step, s.patched.linf / s.logit_scale)
+        assert s.control.linf > 1e3 * EXACT * s.logit_scale
+        params = {k.rsplit(".", 1)[0] for k in s.patches}
+        for i in range(len(loaded.adapter.layers(loaded.model))):
+            layer = f"model.layers.{i}"
+            assert {f"{layer}.router.proj.weight", f"{layer}.mlp.gate_proj.weight",
+                    f"{layer}.mlp.up_proj.weight",
+                    f"{layer}.post_feedforward_layernorm.weight"} <= params
+            assert sum(p.startswith(f"{layer}.experts.gate_up_proj[") for p in params) == 2
+        assert not any("down_proj" in p for p in params)
+    path = tmp_path / "p.safetensors"
+    save_patches(path, steps, "tiny", "float64", settings)
+    before = {n: p.detach().clone() for n, p in loaded.model.named_parameters()}
+    checks = verify_patches(loaded, read_patches(path))
+    assert len(checks) == TOKENS
+    for c in checks:
+        assert c.match and c.linf <= EXACT * c.scale, (c.step, c.linf / c.scale)
+    for n, p in loaded.model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    if scope == "all-positions":  # the same experts with the same weights (per-expert scale in)
+        for full, patched in _routings(loaded, steps, patches_of_steps(steps, scope)):
+            assert len(full) == len(patched) == 4
+            for (sel_c, w_c), (sel, w) in zip(full, patched, strict=True):
+                assert sel == sel_c
+                assert all(abs(w[e] - w_c[e]) <= ROUTING_TOL * max(1.0, abs(w_c[e])) for e in sel)
+
+
+def test_gemma4_moe_needs_the_router_and_expert_patches() -> None:
+    """Negative controls: the saved patches without the routers' or without the experts'
+    slices do not verify; experts patched on the router's input instead of their own pre-norm
+    (``experts_own_input`` off) are not exact; nor is the run without its output control."""
+    from core.verify import verify_patches
+
+    loaded = _gemma4_moe()
+    prompt = build_prompt(loaded.tokenizer, CONTEXT, QUERY)
+    steps = list(iter_token_patches(loaded, prompt, Settings(
+        max_new_tokens=TOKENS, absorb="all", keep_patches=True)))
+    pf = patches_of_steps(steps, "all-positions")
+    assert max(c.linf / c.scale for c in verify_patches(loaded, pf)) <= EXACT
+    for part in ("router.proj", "experts.gate_up_proj"):
+        dropped = dataclasses.replace(pf, patches={
+            t: {k: v for k, v in p.items() if part not in k[0]} for t, p in pf.patches.items()})
+        assert sum(map(len, dropped.patches.values())) < sum(map(len, pf.patches.values()))
+        assert max(c.linf / c.scale for c in verify_patches(loaded, dropped)) > 1e3 * EXACT, part
+    base = loaded.adapter.sites
+    router_input = dataclasses.replace(loaded, adapter=dataclasses.replace(
+        loaded.adapter, sites=lambda layer: dataclasses.replace(base(layer),
+                                                                experts_own_input=False)))
+    assert _worst(router_input) > 1e3 * EXACT
+    frozen = max(s.patched.linf / s.logit_scale for s in _steps(
+        loaded, absorb="all", disabled=frozenset({"output"})))
+    assert frozen > 1e3 * EXACT
