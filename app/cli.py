@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 from core import __version__
 from core.errors import UserError
+from core.outputs import STDOUT, check_outputs, check_report
 
 EXAMPLES_COMPARE = """examples:
   ctxpatch compare --absorb all --query "Write a single-sentence weather forecast for Mars, \\
@@ -107,7 +108,7 @@ def _compare_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-at-eos", action="store_true", help="stop when the baseline ends its text")
     p.add_argument("--top-k", type=int, default=5)
     p.add_argument("--json", metavar="FILE", help="the run as JSON ('-' for stdout)")
-    p.add_argument("--csv", metavar="FILE", help="per-step metrics as CSV")
+    p.add_argument("--csv", metavar="FILE", help="per-step metrics as CSV ('-' for stdout)")
     p.add_argument("--save-patches", metavar="FILE", help="the patches as safetensors")
     p.add_argument("--report", metavar="FILE",
                    help="HTML report (PDF when FILE ends in .pdf); every plot also goes to "
@@ -149,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--tolerance", type=float, default=None,
                         help="max logit L-inf difference relative to the logit scale "
                              "(default: 1e-3 float64, 1e-2 float32, token match only in 16-bit)")
-    verify.add_argument("--json", metavar="FILE", help="the per-step checks as JSON")
+    verify.add_argument("--json", metavar="FILE", help="the per-step checks as JSON ('-' for "
+                        "stdout; the verdict then goes to stderr)")
     verify.add_argument("--image", default=None,
                         help="the context's picture, when the patches were made with one and it "
                              "is no longer at its recorded path (checked by its SHA-256)")
@@ -192,18 +194,14 @@ class _Progress:
             print(f"{message}{suffix}", file=sys.stderr, flush=True)
 
 
-def check_outputs(*paths: str | None) -> None:
-    """Fail before any work when an output cannot be written (nothing computed is lost)."""
-    for path in paths:
-        if path is None or path == "-":
-            continue
-        parent = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(parent):
-            raise UserError(f"cannot write {path}: folder {parent} does not exist")
-        if not os.access(parent, os.W_OK):
-            raise UserError(f"cannot write {path}: folder {parent} is not writable")
-        if os.path.isdir(path):
-            raise UserError(f"cannot write {path}: it is a folder")
+def _inputs(args: argparse.Namespace, *more: str | None) -> list[str | None]:
+    """The paths a command reads: its model (a folder, a file, or the demo's cache folder), its
+    picture, and ``more``."""
+    from core.footprint import DEMOS, demo_folder
+
+    model = getattr(args, "model", None)
+    folder = str(demo_folder(model)) if model in DEMOS else model
+    return [folder, getattr(args, "image", None), *more]
 
 
 def _load(args: argparse.Namespace, dtype: str, say: _Progress) -> Any:
@@ -233,8 +231,6 @@ def _settings(args: argparse.Namespace, **overrides: Any) -> Any:
     """The run's Settings from the compare options (shared by compare and bench), validated."""
     from core.compare import Settings
 
-    if args.top_k < 1:
-        raise UserError("--top-k must be at least 1")
     fields: dict[str, Any] = dict(
         max_new_tokens=args.max_new_tokens, method=args.method, absorb=args.absorb,
         scope=args.scope, layers=args.layers, keep_bos=args.keep_bos,
@@ -261,7 +257,9 @@ def run_compare(args: argparse.Namespace) -> int:
         raise UserError("the context is empty: with absorb 'context' there is nothing to absorb "
                         "(give --context, or use --absorb all)")
     parse_layers(args.layers, None)  # syntax now; the range once the model is known
-    check_outputs(args.json, args.csv, args.save_patches, args.report)
+    check_outputs({"--json": args.json, "--csv": args.csv, "--save-patches": args.save_patches,
+                   "--report": args.report}, _inputs(args), text=("--json", "--csv"))
+    check_report(args.report)
     loaded = _load(args, args.dtype, say)
     prompt = build_prompt(loaded.tokenizer, args.context, args.query, args.chat_template,
                           image=picture, processor=loaded.processor)
@@ -302,19 +300,21 @@ def run_compare(args: argparse.Namespace) -> int:
         report = Path(args.report)
         write_report(run_from_record(record), report, report.with_name(f"{report.stem}_plots"))
         say(f"wrote the report {report} and its plots in {report.stem}_plots/")
-    if args.json == "-":
+    if args.json == STDOUT:
         import json
 
         print(json.dumps(record, indent=1, ensure_ascii=False))
     elif args.json:
         write_json(args.json, record)
-    if args.csv:
+    if args.csv == STDOUT:
+        sys.stdout.write(steps_csv(steps))
+    elif args.csv:
         write_text(args.csv, steps_csv(steps))
     if args.save_patches:
         n = save_patches(args.save_patches, steps, args.model, args.dtype, settings,
                          image=prompt.image)
         say(f"saved {n} patch tensors to {args.save_patches}")
-    if args.json != "-":
+    if STDOUT not in (args.json, args.csv):  # stdout carries only the data asked for
         summary = summarize(steps)
         p, c = summary["patched"], summary["control"]
         baseline = "".join(s.baseline_text for s in steps)
@@ -340,7 +340,7 @@ def run_bench(args: argparse.Namespace) -> int:
     # generate cannot stop at EOS like the comparison would: both always make every token
     settings = _settings(args, stop_at_eos=False)
     picture = _read_image(args.image)
-    check_outputs(args.json)
+    check_outputs({"--json": args.json}, _inputs(args), text=("--json",))
     loaded = _load(args, args.dtype, say)
     prompt = build_prompt(loaded.tokenizer, args.context, args.query, args.chat_template,
                           image=picture, processor=loaded.processor)
@@ -365,6 +365,9 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"peak memory ({m['generate']['kind']}): generate "
               f"{m['generate']['peak_bytes'] / 1e9:.2f} GB, compare "
               f"{m['compare']['peak_bytes'] / 1e9:.2f} GB: memory ratio {m['memory_ratio']:.2f}")
+    if args.json == STDOUT:  # the whole result, runs included, as the last line
+        print(json.dumps(result, default=str))
+        return 0
     if args.json:
         from core.export import write_json
 
@@ -375,16 +378,36 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def _tolerance(dtype: str, given: float | None = None) -> float:
     if given is not None:
+        import math
+
+        if not math.isfinite(given) or given <= 0:
+            raise UserError(f"--tolerance {given}: give a positive number, e.g. 1e-3 (relative "
+                            "to the logit scale)")
         return given
     return {"float64": 1e-3, "float32": 1e-2}.get(dtype, float("inf"))
 
 
 def _verdict(checks: Sequence[Any], tol: float) -> tuple[bool, int, float]:
     """(every token matches and the worst L-inf is within tol of the logit scale, matches,
-    worst L-inf relative to the logit scale)."""
-    worst = max((c.linf / max(c.scale, 1e-30) for c in checks), default=0.0)
+    worst L-inf relative to the logit scale). A NaN anywhere is the worst (never verified);
+    no checks at all is not verified either."""
+    import math
+
+    ratios = [c.linf / max(c.scale, 1e-30) for c in checks]
+    worst = max(ratios, default=0.0)
+    if any(math.isnan(r) for r in ratios):
+        worst = math.nan
     matches = sum(c.match for c in checks)
-    return matches == len(checks) and worst <= tol, matches, worst
+    ok = bool(checks) and matches == len(checks) and not math.isnan(worst) and worst <= tol
+    return ok, matches, worst
+
+
+def _max_linf(checks: Sequence[Any]) -> float:
+    """The largest L-inf of the checks, NaN when any is NaN (``max`` alone would drop it)."""
+    import math
+
+    values = [c.linf for c in checks]
+    return math.nan if any(math.isnan(v) for v in values) else max(values, default=0.0)
 
 
 def _read_image(path: str | None) -> Any:
@@ -415,7 +438,8 @@ def run_verify(args: argparse.Namespace) -> int:
     from core.verify import image_pixels, read_patches, recorded_image, verify_patches
 
     say = _Progress(False)
-    check_outputs(args.json)
+    check_outputs({"--json": args.json}, _inputs(args, args.patches), text=("--json",))
+    _tolerance("float64", args.tolerance)  # a bad --tolerance fails before any work
     pf = read_patches(args.patches)
     dtype = args.dtype or pf.metadata.get("dtype", "float32")
     if args.model is None:
@@ -429,16 +453,21 @@ def run_verify(args: argparse.Namespace) -> int:
     tol = _tolerance(dtype, args.tolerance)
     ok, matches, worst = _verdict(checks, tol)
     if args.json:
+        import json
         from dataclasses import asdict
 
         from core.export import write_json
 
-        write_json(args.json, {"ok": ok, "tolerance": tol if tol != float("inf") else None,
-                               "conditioning": pf.conditioning,
-                               "steps": [asdict(c) for c in checks]})
+        result = {"ok": ok, "tolerance": tol if tol != float("inf") else None,
+                  "conditioning": pf.conditioning, "steps": [asdict(c) for c in checks]}
+        if args.json == STDOUT:
+            print(json.dumps(result, indent=1))
+        else:
+            write_json(args.json, result)
     print(f"{'verified' if ok else 'verification FAILED'}: {matches}/{len(checks)} tokens match, "
-          f"max L-inf {max((c.linf for c in checks), default=0.0):.3g} "
-          f"({worst:.3g} of the logit scale; tolerance {tol:g})")
+          f"max L-inf {_max_linf(checks):.3g} "
+          f"({worst:.3g} of the logit scale; tolerance {tol:g})",
+          file=sys.stderr if args.json == STDOUT else sys.stdout)
     return 0 if ok else 1
 
 

@@ -76,9 +76,10 @@ def run_app(args: argparse.Namespace) -> int:
     from app.main_window import MainWindow
     screenshot = getattr(args, "screenshot", None)
     if screenshot:
-        from app.cli import check_outputs
+        from core.outputs import check_outputs
 
-        check_outputs(screenshot)
+        check_outputs({"--screenshot": screenshot}, [getattr(args, "model", None),
+                                                       getattr(args, "image", None)])
     _setup_logging()
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("ctxpatch")

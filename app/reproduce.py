@@ -249,14 +249,54 @@ def _image_model_check(model: str) -> None:
         raise text_only(model)
 
 
+def _sweep(text: str | None) -> list[int] | None:
+    """``--sweep``'s layers, checked before any run (their range once the model is known)."""
+    from core.errors import UserError
+
+    if text is None:
+        return None
+    try:
+        layers = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise UserError(f"--sweep {text!r}: give first layers as whole numbers separated by "
+                        "commas, e.g. 0,4,9") from None
+    if any(x < 0 for x in layers):
+        raise UserError(f"--sweep {text!r}: layers start at 0")
+    return layers
+
+
+def _check_sweep_range(model: str, sweep: list[int]) -> None:
+    """Refuse a sweep layer beyond the model's before any run (from its config alone)."""
+    from core.errors import UserError
+    from core.footprint import DEMOS
+
+    if model in DEMOS:
+        return  # checked after the first run (the demo's config comes with its conversion)
+    from core.loading import _resolve_source, load_config
+
+    source, local_only = _resolve_source(model, None, None)
+    config = load_config(source, local_only)
+    config = getattr(config, "text_config", None) or config
+    n = getattr(config, "num_hidden_layers", None)
+    if isinstance(n, int) and any(x >= n for x in sweep):
+        raise UserError(f"--sweep {','.join(map(str, sweep))}: the model has layers 0 to {n - 1}")
+
+
 def run(args: Any, say: Any) -> int:
+    from core.errors import UserError
+
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file: give a folder (new, or an earlier "
+                        "reproduction's, which resumes)")
     prompts = args.prompts
     if not 1 <= prompts <= len(ex.PAPER_PROMPTS):
-        from core.errors import UserError
-
         raise UserError(f"--prompts must be between 1 and {len(ex.PAPER_PROMPTS)}")
+    if args.max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be at least 1")
+    sweep = _sweep(args.sweep)
+    if sweep:
+        _check_sweep_range(args.model, sweep)
     dtypes = list(args.dtypes.split(","))
     image = None
     if args.image is not None:
@@ -266,11 +306,13 @@ def run(args: Any, say: Any) -> int:
         image = sample_image_path() if args.image == "sample" else args.image
         read_image(image)  # a bad file fails before any run
         _image_model_check(args.model)
+    out.mkdir(parents=True, exist_ok=True)
     records = ex.run_grid(args.model, out, ex.grid(prompts, dtypes, []), args.max_new_tokens,
                           args.device, say)
     num_layers = int(next(iter(records.values()))["model"]["num_layers"])
-    sweep_layers = ([int(s) for s in args.sweep.split(",")] if args.sweep
-                    else ex.default_sweep(num_layers))
+    sweep_layers = sweep if sweep is not None else ex.default_sweep(num_layers)
+    if any(x >= num_layers for x in sweep_layers):
+        raise UserError(f"--sweep {args.sweep}: the model has layers 0 to {num_layers - 1}")
     records.update(ex.run_grid(args.model, out, ex.grid(0, dtypes, sweep_layers),
                                args.max_new_tokens, args.device, say))
     if image is not None:

@@ -41,6 +41,10 @@ SCOPES = ("all-positions", "query")
 PATCH_KINDS = ("input", "output")
 
 
+#: the longest top-k list a step records (the window shows a few; the JSON keeps them all)
+MAX_TOP_K = 1000
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything that decides a run, with the app's defaults."""
@@ -69,6 +73,8 @@ class Settings:
                 raise UserError(f"unknown {name} {value!r}: use one of {', '.join(allowed)}")
         if not 1 <= self.max_new_tokens <= 100_000:
             raise UserError(f"max new tokens must be between 1 and 100000, not {self.max_new_tokens}")
+        if not 1 <= self.top_k <= MAX_TOP_K:
+            raise UserError(f"top-k must be between 1 and {MAX_TOP_K}, not {self.top_k}")
         if self.on_fault not in ("stop", "continue"):
             raise UserError(f"unknown on_fault {self.on_fault!r}: use stop or continue")
         if not self.disabled <= set(PATCH_KINDS):
@@ -100,14 +106,19 @@ def parse_layers(spec: str, n: int | None) -> list[int]:
     Raises:
         UserError: on malformed text, an empty selection or a layer outside 0..n-1.
     """
-    if n is None:
-        parse_layers(spec, 1_000_000)
-        return []
     text = spec.strip().lower()
     hint = (
         f"malformed layers {spec!r}: use 'all', a start like '10:', a range like '2:8' "
-        f"or a list like '0,5,17' (the model has layers 0..{n - 1})"
+        "or a list like '0,5,17'" + ("" if n is None else f" (the model has layers 0..{n - 1})")
     )
+    if n is None:  # the syntax alone: each part a layer or a range of them
+        import re
+
+        if text not in ("all", "") and not all(
+                re.fullmatch(r"\s*(-?\d+|-?\d*\s*:\s*-?\d*)\s*", part)
+                for part in text.split(",")):
+            raise UserError(hint)
+        return []
     if text in ("all", ""):
         return list(range(n))
     chosen: set[int] = set()
@@ -261,6 +272,14 @@ def resolve_control(loaded: LoadedModel, settings: Settings) -> str:
             f"output control {control!r} is not available for {loaded.adapter.family}: "
             f"use {', '.join(controls)}"
         )
+    if control in ("matrix", "bias"):  # a layer whose only output control is its norm's scale
+        adapter = loaded.adapter
+        for i, layer in enumerate(adapter.layers(loaded.model)):
+            s = adapter.sites(layer)
+            if s.out_matrix is None and s.out_norm is not None:
+                raise UserError(f"output control {control!r} is not available in layer {i} of "
+                                f"this {adapter.family} model (experts beside the MLP under one "
+                                "post-norm: its scale is the output control): use scale")
     return control
 
 

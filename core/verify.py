@@ -67,10 +67,82 @@ def read_patches(path: str | Path) -> PatchFile:
         steps = json.loads(metadata["steps"])
     except (KeyError, json.JSONDecodeError):
         raise UserError(f"{path} has no readable step list in its metadata") from None
+    _check_steps(steps, str(path))
     pf = PatchFile(metadata=metadata, steps=steps)
     for key, tensor in tensors.items():
         _add_tensor(pf, key, tensor, str(path))
+    _check_tensors(pf, str(path))
     return pf
+
+
+def _ids(value: Any, allow_empty: bool) -> bool:
+    return (isinstance(value, list) and (allow_empty or bool(value))
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value))
+
+
+def _check_steps(steps: Any, source: str) -> None:
+    """The metadata's step list: one entry per step, with token ids that are ids."""
+    if not isinstance(steps, list) or not steps:
+        raise UserError(f"{source} lists no steps: there is nothing to verify (was the run "
+                        "cancelled before its first token?)")
+    for t, meta in enumerate(steps):
+        if not (isinstance(meta, dict) and _ids(meta.get("full_input_ids"), False)
+                and _ids(meta.get("reduced_input_ids"), False)):
+            raise UserError(f"{source}: step {t} of its step list has no valid token ids "
+                            "(full_input_ids, reduced_input_ids)")
+        pos = meta.get("reduced_position_ids")
+        if pos is not None and not (_ids(pos, False)
+                                    and len(pos) == len(meta["reduced_input_ids"])):
+            raise UserError(f"{source}: step {t}'s reduced_position_ids do not match its ids")
+
+
+def _check_tensors(pf: PatchFile, source: str) -> None:
+    """Every patch belongs to a listed step, is complete (u and v, or delta), one-dimensional,
+    floating point and finite."""
+    for step, params in pf.patches.items():
+        if step >= len(pf.steps):
+            raise UserError(f"{source} has patches for step {step}, but its step list has "
+                            f"{len(pf.steps)} step(s): the file was edited or cut")
+        for (name, index), parts in params.items():
+            label = f"step {step}, {name}" + ("" if index is None else f"[{index}]")
+            if not ("delta" in parts or {"u", "v"} <= parts.keys()):
+                raise UserError(f"{source}: the patch of {label} lacks its "
+                                f"{'v' if 'u' in parts else 'u'} vector")
+            for part, tensor in parts.items():
+                if tensor.ndim != 1 or not tensor.is_floating_point():
+                    raise UserError(f"{source}: the patch of {label} ({part}) is not a vector "
+                                    f"of numbers (shape {tuple(tensor.shape)}, {tensor.dtype})")
+                if not bool(torch.isfinite(tensor).all()):
+                    raise UserError(f"{source}: the patch of {label} ({part}) holds NaN or "
+                                    "infinite entries")
+
+
+def check_against(model: torch.nn.Module, pf: PatchFile) -> None:
+    """Before any forward pass: every patched parameter exists with the patch's shape, and
+    every token id is in the model's vocabulary."""
+    params = dict(model.named_parameters())
+    vocab = model.get_input_embeddings().weight.shape[0]
+    for t, meta in enumerate(pf.steps):
+        top = max(max(meta["full_input_ids"]), max(meta["reduced_input_ids"]))
+        if top >= vocab:
+            raise UserError(f"step {t} uses token id {top}, beyond this model's vocabulary "
+                            f"({vocab}): these patches were made with another model (--model)")
+    for step, patches in pf.patches.items():
+        for (name, index), parts in patches.items():
+            if name not in params:
+                raise UserError(f"the patches name parameter {name!r}, which this model lacks "
+                                "(were they made with another model? --model)")
+            shape = tuple(params[name].shape)
+            if index is not None:
+                if len(shape) < 2 or index >= shape[0]:
+                    raise UserError(f"the patches name {name}[{index}], beyond the parameter's "
+                                    f"shape {shape}")
+                shape = shape[1:]
+            want = ((int(parts["delta"].shape[0]),) if "delta" in parts
+                    else (int(parts["u"].shape[0]), int(parts["v"].shape[0])))
+            if want != shape:
+                raise UserError(f"the patch of {name} at step {step} has shape {want}, the "
+                                f"parameter {shape} (made with another model? --model)")
 
 
 def _add_tensor(pf: PatchFile, key: str, tensor: torch.Tensor, source: str) -> None:
@@ -174,6 +246,7 @@ def verify_patches(
     if pixels is None and image_token is not None and any(
             image_token in meta["full_input_ids"] for meta in pf.steps):
         raise UserError("these patches were made with an image in the context: pass --image FILE")
+    check_against(model, pf)
     query_scope = pf.metadata.get("scope") == "query"
     checks: list[StepCheck] = []
 
