@@ -293,13 +293,6 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.verify:
         record["verification"] = _verify_run(loaded, steps, settings, args.dtype, say,
                                              prompt.pixels)
-    if args.report:
-        from app.report import write_report
-        from core.records import run_from_record
-
-        report = Path(args.report)
-        write_report(run_from_record(record), report, report.with_name(f"{report.stem}_plots"))
-        say(f"wrote the report {report} and its plots in {report.stem}_plots/")
     if args.json == STDOUT:
         import json
 
@@ -314,6 +307,13 @@ def run_compare(args: argparse.Namespace) -> int:
         n = save_patches(args.save_patches, steps, args.model, args.dtype, settings,
                          image=prompt.image)
         say(f"saved {n} patch tensors to {args.save_patches}")
+    if args.report:  # last: the data above is safe whatever happens to the report
+        from app.report import write_report
+        from core.records import run_from_record
+
+        report = Path(args.report)
+        write_report(run_from_record(record), report, report.with_name(f"{report.stem}_plots"))
+        say(f"wrote the report {report} and its plots in {report.stem}_plots/")
     if STDOUT not in (args.json, args.csv):  # stdout carries only the data asked for
         summary = summarize(steps)
         p, c = summary["patched"], summary["control"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import html
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -305,12 +306,20 @@ def write_report(run: Run, path: str | Path, plot_dir: str | Path | None = None)
     written = [path]
     if plot_dir is not None:
         folder = Path(plot_dir)
+        if folder.exists() and not folder.is_dir():
+            raise UserError(f"cannot write the plots into {folder}: a file has that name")
+        created = not folder.exists()
         folder.mkdir(parents=True, exist_ok=True)
-        for name, (png, svg) in images.items():
-            for ext, data in (("png", png), ("svg", svg)):
-                target = folder / f"{name.replace('/', '-')}.{ext}"
-                atomic_write(target, lambda tmp, data=data: Path(tmp).write_bytes(data))
-                written.append(target)
+        try:
+            for name, (png, svg) in images.items():
+                for ext, data in (("png", png), ("svg", svg)):
+                    target = folder / f"{name.replace('/', '-')}.{ext}"
+                    atomic_write(target, lambda tmp, data=data: Path(tmp).write_bytes(data))
+                    written.append(target)
+        except BaseException:  # a half-written plots folder of ours goes (a user's stays)
+            if created:
+                shutil.rmtree(folder, ignore_errors=True)
+            raise
     thumb = thumbnail(run)
     if path.suffix.lower() == ".pdf":
         atomic_write(path, lambda tmp: _write_pdf(run, images, tmp, thumb))

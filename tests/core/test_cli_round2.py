@@ -281,3 +281,30 @@ def test_reproduce_refuses_a_sweep_beyond_the_model(capsys, folder: Path, tmp_pa
     line = _err(capsys, ["reproduce", "--model", str(folder), "--out", str(tmp_path / "r"),
                          "--sweep", "0,7"])
     assert "layers 0 to 1" in line and not (tmp_path / "r").exists()
+
+
+# --- order of writing ---------------------------------------------------------------------
+
+def test_the_data_is_written_before_the_report(capsys, folder: Path, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A report that fails late (here: its plots) loses nothing: the run JSON, the CSV and the
+    patches are already written, and the half-written plots folder is removed."""
+    import core.export
+
+    real_atomic = core.export.atomic_write
+
+    def full_disk_in_the_plots(path, write):  # type: ignore[no-untyped-def]
+        if Path(path).parent.name == "r_plots":
+            raise OSError(28, "No space left on device")
+        return real_atomic(path, write)
+
+    monkeypatch.setattr(core.export, "atomic_write", full_disk_in_the_plots)
+    code = main(["compare", "--model", str(folder), *CASE, "--quiet",
+                 "--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv"),
+                 "--save-patches", str(tmp_path / "p.safetensors"),
+                 "--report", str(tmp_path / "r.html")])
+    assert code != 0
+    assert json.loads((tmp_path / "r.json").read_text())["steps"]
+    assert (tmp_path / "r.csv").is_file() and (tmp_path / "p.safetensors").is_file()
+    assert not (tmp_path / "r_plots").exists() and not (tmp_path / "r.html").exists()
+    capsys.readouterr()
