@@ -338,10 +338,12 @@ def load_model(
     if torch_dtype == torch.float64 and ("experts" in adapter.output_controls or getattr(
             text_config, "enable_moe_block", False)):  # (Gemma 4's experts beside its MLP)
         kwargs["experts_implementation"] = "eager"  # the grouped-matmul kernel refuses float64
+    stage = "weights"
     try:
         image_text = getattr(config, "vision_config", None) is not None
         auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
         model = checked_from_pretrained(auto, spec, source, **kwargs)
+        stage = "processor" if image_text else "tokenizer"
         processor = _processor(source, kwargs, trust_remote_code) if image_text else None
         tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(
             source,
@@ -353,6 +355,10 @@ def load_model(
         if type(exc).__name__ in ("SafetensorError", "HeaderTooLarge", "UnpicklingError"):
             raise UserError(f"the weights of {spec} are damaged or incomplete ({first}): "
                             "download or save the model again") from None
+        if stage != "weights" and isinstance(exc, OSError | ValueError | KeyError | TypeError):
+            raise UserError(f"cannot read the {stage} of {spec} ({type(exc).__name__}: {first}): "
+                            f"its {stage} files are damaged or incomplete; download or save the "
+                            "model again") from None
         if not isinstance(exc, OSError | ValueError):
             raise
         raise no_fit(exc) or UserError(f"cannot load {spec}: {first}") from None

@@ -146,6 +146,15 @@ def test_no_decoder_layers_is_refused(capsys, tmp_path: Path) -> None:  # type: 
     assert "no decoder layers" in _err(capsys, ["compare", "--model", str(tmp_path), *CASE])
 
 
+def test_a_cut_tokenizer_says_which_file(capsys, folder: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    for p in folder.iterdir():
+        (tmp_path / p.name).write_bytes(p.read_bytes())
+    data = (tmp_path / "tokenizer.json").read_bytes()
+    (tmp_path / "tokenizer.json").write_bytes(data[: len(data) // 2])
+    line = _err(capsys, ["compare", "--model", str(tmp_path), *CASE])
+    assert "cannot read the tokenizer" in line and "damaged" in line
+
+
 def test_a_config_that_is_not_json_says_so(capsys, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     (tmp_path / "config.json").write_text("{ this is not json")
     line = _err(capsys, ["compare", "--model", str(tmp_path), *CASE])
