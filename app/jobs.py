@@ -1,4 +1,4 @@
-"""The jobs the worker thread runs: load a model, run a comparison.
+"""The jobs the worker thread runs: load a model, run a comparison, open a large session.
 
 A job is a function ``job(should_stop, progress)`` returning an iterator of plain payloads. This
 module is the only place in `app/` that touches the model, and it runs only on the worker thread;
@@ -108,5 +108,35 @@ def run_job(model: ModelReady, context: str, query: str, chat_template: bool,
         )
         # (the window's progress follows the tokens as they arrive in RunState)
         yield from iter_token_patches(loaded, prompt, s, should_stop)
+
+    return job
+
+
+@dataclass(frozen=True)
+class SessionReady:
+    """A session file read and checked, with the run it shows rebuilt (no model involved)."""
+
+    path: str
+    data: dict[str, Any]  # app.session.load_session: the JSON data, schema 1
+    index: int | None  # the run shown (None: a session without runs)
+    run: Any  # core.records.Run of that run (plain steps, no tensors), or None
+
+
+def session_job(path: str) -> Job:
+    """Open a session: read and check it, then rebuild the run it shows. A 9,000-token run takes
+    seconds to check and rebuild, so a large file is read here, never on the GUI thread."""
+
+    def job(should_stop: StopFn, progress: ProgressFn) -> Iterator[Any]:
+        from app.session import load_session, shown_run
+        from core.errors import Cancelled
+
+        progress(f"Reading the session {path}…", 0, 2)
+        data = load_session(path, should_stop)
+        if should_stop():
+            raise Cancelled
+        progress(f"Rebuilding the runs of {path}…", 1, 2)
+        index, run = shown_run(data, f"the session {path}")
+        progress(f"Opened {path}", 2, 2)
+        yield SessionReady(path, data, index, run)
 
     return job

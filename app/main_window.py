@@ -83,6 +83,9 @@ class MainWindow(WindowFiles, QMainWindow):
     model_ready = Signal()
     #: a worker was created and is about to start (tests connect to it directly)
     worker_created = Signal(object)
+    #: File > Open session ended: "completed", "cancelled" or "failed" (large files open on the
+    #: worker, so `open_session` may return before this)
+    session_opened = Signal(str)
 
     def __init__(self, model: str | None = None, settings: QSettings | None = None,
                  autoload: bool = True, options: dict[str, Any] | None = None) -> None:
@@ -95,6 +98,7 @@ class MainWindow(WindowFiles, QMainWindow):
         self._kind = ""
         self._run_after_load = False
         self._outcome = ""
+        self._pending_session: Any = None  # app.jobs.SessionReady, applied when the job ends
         self.last_error = ""
 
         self.model_panel = QtModelPanel()
@@ -251,6 +255,7 @@ class MainWindow(WindowFiles, QMainWindow):
     def _start(self, job: Any, kind: str, message: str) -> None:
         worker = Worker(job, self)
         worker.loaded.connect(self._on_loaded)
+        worker.session_loaded.connect(self._on_session_loaded)
         worker.run_started.connect(self._on_run_started)
         worker.token_done.connect(self.state.add_step)
         worker.progress.connect(self._on_progress)
@@ -273,7 +278,7 @@ class MainWindow(WindowFiles, QMainWindow):
         if total > 0:
             self.progress.setRange(0, total)
             self.progress.setValue(done)
-        if self._kind == "load":
+        if self._kind in ("load", "session"):
             self.status_label.setText(message)
 
     def _on_loaded(self, ready: ModelReady) -> None:
@@ -307,6 +312,9 @@ class MainWindow(WindowFiles, QMainWindow):
             worker.deleteLater()
         self.input_panel.set_busy(False)
         self.progress.hide()
+        if kind == "session":
+            self._session_finished(outcome)
+            return
         if kind == "load":
             if outcome != "completed" and self.model is None:
                 self.model_panel.set_loaded("not loaded")

@@ -7,11 +7,15 @@ A mixin of `app.main_window.MainWindow`, whose panels, state and status it uses.
 from __future__ import annotations
 
 import logging
+import traceback
 from typing import Any
 
 from PySide6.QtWidgets import QFileDialog
 
 log = logging.getLogger("ctxpatch")
+#: session files larger than this open on the worker (about 300 tokens a megabyte: a 9,000-token
+#: run is some 30 MB and takes seconds to check and rebuild)
+SYNC_BYTES = 2 << 20
 
 
 class WindowFiles:
@@ -27,6 +31,13 @@ class WindowFiles:
     plots: Any
     notice: Any
     status_label: Any
+    banner: Any
+    session_opened: Any
+    _kind: str
+    _pending_session: Any
+
+    def _start(self, job: Any, kind: str, message: str) -> None:  # provided by MainWindow
+        raise NotImplementedError
 
     @property
     def busy(self) -> bool:  # provided by MainWindow
@@ -85,11 +96,11 @@ class WindowFiles:
                 from pathlib import Path
 
                 from app.report import write_report
-                from core.records import run_from_record
+                from app.session import rebuild
 
                 target = Path(path)
                 self.status_label.setText(f"Writing the report {path}…")
-                write_report(run_from_record(record), target,
+                write_report(rebuild(record, "the run"), target,
                              target.with_name(f"{target.stem}_plots"))
         except UserError as exc:
             self.show_error(str(exc))
@@ -136,10 +147,21 @@ class WindowFiles:
         """Reopen a run of the history (no recomputation)."""
         if self.busy or not 0 <= index < len(self.history):
             return
-        from app.report import fill_state
-        from core.records import run_from_record
+        from app.session import rebuild
+        from core.errors import UserError
 
-        fill_state(self.state, run_from_record(self.history[index]))
+        try:
+            run = rebuild(self.history[index], f"run #{index + 1}")
+        except UserError as exc:
+            self.show_error(str(exc))
+            return
+        self._show(index, run)
+
+    def _show(self, index: int, run: Any) -> None:
+        from app.report import fill_state
+
+        with self.state.batch():  # the views redraw once, not once per step
+            fill_state(self.state, run)
         self.history_index = index
         self.history_panel.set_runs(self.history, index)
         self._update_overlays()
@@ -178,6 +200,10 @@ class WindowFiles:
         return True
 
     def open_session(self, path: str | None = None) -> bool:
+        """Open a session file: a small one at once, a large one (over `SYNC_BYTES`) on the worker
+        with progress, Esc cancelling. Returns whether it opened or started opening;
+        ``session_opened(outcome)`` follows either way. A bad file is one line in the banner,
+        and the window keeps what it showed."""
         if self.busy:
             self.show_error("a job is running: cancel it (Esc) before opening a session")
             return False
@@ -186,51 +212,117 @@ class WindowFiles:
                                                   "ctxpatch session (*.json)")
             if not path:
                 return False
-        from app.session import load_session
+        import os
+
+        from app.session import load_session, shown_run
         from core.errors import UserError
 
         try:
+            size = os.stat(path).st_size
+        except (OSError, ValueError):
+            size = 0  # load_session says what is wrong
+        if size > SYNC_BYTES:
+            from app.jobs import session_job
+
+            self._pending_session = None
+            self._start(session_job(path), "session", f"Opening the session {path}…")
+            return True
+        try:
             data = load_session(path)
+            index, run = shown_run(data, f"the session {path}")
         except UserError as exc:
             self.show_error(str(exc))
+            self.session_opened.emit("failed")
             return False
-        self.apply_session(data)
+        self.apply_session(data, index, run)
         self.status_label.setText(f"Opened the session {path}")
+        self.session_opened.emit("completed")
         return True
 
-    def apply_session(self, data: dict[str, Any]) -> None:
-        if data.get("options"):
-            self.model_panel.restore(data["options"])
+    def _on_session_loaded(self, ready: Any) -> None:
+        self._pending_session = ready  # applied once the job has ended (`_session_finished`)
+
+    def _session_finished(self, outcome: str) -> None:
+        ready, self._pending_session = self._pending_session, None
+        if outcome == "completed" and ready is not None:
+            self.banner.hide()
+            self.apply_session(ready.data, ready.index, ready.run)
+            self.status_label.setText(f"Opened the session {ready.path}")
+        elif outcome == "cancelled":
+            self.status_label.setText("Opening the session cancelled; nothing changed")
+        self.session_opened.emit(outcome)
+
+    def apply_session(self, data: dict[str, Any], index: int | None = None, run: Any = None,
+                      source: str = "the session") -> None:
+        """Show a session checked by `app.session.load_session`; ``run`` is its shown run
+        (``index``), rebuilt before anything changes (`app.session.shown_run`) when not given.
+
+        Raises:
+            UserError: the shown run cannot be rebuilt (the window is unchanged).
+        """
+        from app.session import NOT_FROM_SESSIONS, shown_run
+
+        if run is None:
+            index, run = shown_run(data, source)
+        options = {k: v for k, v in (data.get("options") or {}).items()
+                   if k not in NOT_FROM_SESSIONS}
+        if options:
+            self.model_panel.restore(options)
         if data.get("inputs"):
             self.input_panel.restore(data["inputs"])
-        self.history = list(data.get("runs", []))
-        current = data.get("current")
-        index = current if isinstance(current, int) and 0 <= current < len(self.history) else (
-            len(self.history) - 1)
-        self.history_panel.set_runs(self.history, index if self.history else None)
-        if self.history:
-            self.show_run(index)
+        self.history = list(data.get("runs") or [])
+        self.history_panel.set_runs(self.history, index)
+        if index is not None and run is not None:
+            self._show(index, run)
 
     def offer_autosave(self) -> None:
-        """After a crash, the autosaved session is offered back (deleted on a clean exit)."""
-        from app.session import autosave_path, load_session
-        from core.errors import UserError
+        """After a crash, the autosaved session is offered back (deleted on a clean exit). One
+        that cannot be read is moved aside (``autosave.json.bad-<time>``) with a line in the
+        banner: whatever is in it, the window starts."""
+        from app.session import SessionError, autosave_path, load_session, saved_when
 
         path = autosave_path()
-        if not path.is_file():
-            return
         try:
+            if not (path.exists() or path.is_symlink()):
+                return
             data = load_session(path)
-        except UserError as exc:
-            log.warning("unreadable autosave: %s", exc)
+        except SessionError as exc:
+            self._autosave_unreadable(path, exc.problem)
+            return
+        except Exception as exc:  # noqa: BLE001 - a bug here must not keep the window from starting
+            log.error("reading the autosave failed\n%s", traceback.format_exc())
+            self._autosave_unreadable(path, f"unreadable ({type(exc).__name__}; details in "
+                                            "the log)")
             return
         if not data.get("runs"):
             return
+        when = saved_when(data)
 
         def restore() -> None:
-            self.apply_session(data)
+            from core.errors import UserError
+
+            if self.busy and self._kind != "load":  # a model may load meanwhile; not a run
+                self.show_error("a job is running: cancel it (Esc) before restoring the autosave")
+                return
             self.notice.hide()
+            try:
+                self.apply_session(data, source="the autosave")
+            except UserError as exc:
+                self.show_error(f"cannot restore the autosave: {exc}")
+                return
+            self.status_label.setText("Restored the autosave")
 
         self.notice.offer(f"ctxpatch did not close cleanly last time: restore its "
-                          f"{len(data['runs'])} run(s) and inputs (saved {data.get('saved')})?",
-                          restore)
+                          f"{len(data['runs'])} run(s) and inputs"
+                          + (f" (saved {when})" if when else "") + "?", restore)
+
+    def _autosave_unreadable(self, path: Any, problem: str) -> None:
+        from app.session import move_aside
+
+        try:
+            where = f"moved aside to {move_aside(path)}"
+        except OSError as exc:  # left as it is: the next start says so again
+            where = f"it could not be moved aside ({exc.strerror or exc})"
+        log.warning("autosave %s is %s: %s", path, problem, where)
+        self.show_error(f"The autosave of the last session is {problem} and cannot be "
+                        f"restored: {where}")

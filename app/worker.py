@@ -1,10 +1,10 @@
 """The one worker thread: it drives a job (see `app.jobs`) and forwards what it yields.
 
 Signals carry plain data (STYLE.md 3-4): ``run_started(RunStarted)``, ``token_done(StepResult)``,
-``loaded(ModelReady)``, ``progress(message, done, total)``; the job then ends with exactly one of
-``completed()``, ``cancelled()`` or ``failed(message)``, and QThread's own ``finished()`` follows.
-Cancel is cooperative: `requestInterruption()` is the job's ``should_stop`` (core checks it between
-layers and tokens); the thread is never terminated.
+``loaded(ModelReady)``, ``session_loaded(SessionReady)``, ``progress(message, done, total)``; the
+job then ends with exactly one of ``completed()``, ``cancelled()`` or ``failed(message)``, and
+QThread's own ``finished()`` follows. Cancel is cooperative: `requestInterruption()` is the job's
+``should_stop`` (core checks it between layers and tokens); the thread is never terminated.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import traceback
 
 from PySide6.QtCore import QObject, QThread, Signal
 
-from app.jobs import Job, ModelReady, RunStarted
+from app.jobs import Job, ModelReady, RunStarted, SessionReady
 from core.errors import Cancelled, UserError
 
 log = logging.getLogger("ctxpatch")
@@ -24,6 +24,7 @@ class Worker(QThread):
     run_started = Signal(object)
     token_done = Signal(object)
     loaded = Signal(object)
+    session_loaded = Signal(object)
     progress = Signal(str, int, int)
     completed = Signal()
     cancelled = Signal()
@@ -38,6 +39,8 @@ class Worker(QThread):
             self.loaded.emit(item)
         elif isinstance(item, RunStarted):
             self.run_started.emit(item)
+        elif isinstance(item, SessionReady):
+            self.session_loaded.emit(item)
         else:
             self.token_done.emit(item)
 

@@ -133,15 +133,30 @@ CSV_COLUMNS = (
 )
 
 
+#: a cell starting with one of these is a formula to a spreadsheet (OWASP "CSV Injection", ASVS
+#: 1.2.10): "=cmd|' /C calc'!A0" runs a program; the full-width forms count in some locales
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r", "\n", "\0", "\uff1d", "\uff0b", "\uff0d",
+                  "\uff20")
+
+
+def csv_text(text: str) -> str:
+    """A text cell (a token's text) that a spreadsheet shows as text: one that would start a
+    formula gets a leading single quote. Number cells are written as numbers, never through
+    this, so -1.5e-3 stays a number."""
+    return "'" + text if text.startswith(FORMULA_STARTS) else text
+
+
 def steps_csv(steps: Sequence[StepResult]) -> str:
+    """The per-token table; token texts are neutralised against formula injection (`csv_text`)."""
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(CSV_COLUMNS)
     for s in steps:
         w.writerow([
-            s.step, s.position, s.baseline_token, s.baseline_text, s.patched.token, s.patched.text,
-            int(s.patched.match), repr(s.patched.linf), repr(s.patched.tvd), s.control.token,
-            s.control.text, int(s.control.match), repr(s.control.linf), repr(s.control.tvd),
+            s.step, s.position, s.baseline_token, csv_text(s.baseline_text), s.patched.token,
+            csv_text(s.patched.text), int(s.patched.match), repr(s.patched.linf),
+            repr(s.patched.tvd), s.control.token, csv_text(s.control.text), int(s.control.match),
+            repr(s.control.linf), repr(s.control.tvd),
             f"{sum(s.seconds.values()):.6f}",
         ])
     return buf.getvalue()

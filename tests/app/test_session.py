@@ -87,7 +87,8 @@ def test_a_damaged_session_is_one_clear_error_and_harms_nothing(fresh: Any, tmp_
         load_session(bad)
 
 
-def test_the_autosave_is_offered_back_after_a_crash(qtbot: Any, fresh: Any, tiny_model_dir: str) -> None:
+def test_the_autosave_is_offered_back_after_a_crash(qtbot: Any, fresh: Any,
+                                                    tiny_model_dir: str) -> None:
     w = fresh(model=tiny_model_dir)
     w.input_panel.context.setPlainText("Alice lives in Paris.")
     w.input_panel.query.setPlainText("Where?")
@@ -103,3 +104,225 @@ def test_the_autosave_is_offered_back_after_a_crash(qtbot: Any, fresh: Any, tiny
     again.notice.button.click()
     assert len(again.state.steps) == 3 and not again.notice.isVisible()
     again.close()
+
+
+# -- issue 19: bad autosaves and sessions, large sessions ---------------------------------------
+def _fixture() -> dict[str, Any]:
+    return json.loads(FIXTURE.read_text())
+
+
+def _json(mutate: Any) -> bytes:
+    data = _fixture()
+    mutate(data)
+    return json.dumps(data).encode()
+
+
+def _set(path: str, value: Any) -> Any:
+    """A mutation: the fixture with ``value`` at ``path`` ("run.steps.1.match")."""
+    def mutate(data: Any) -> None:
+        *parents, last = path.split(".")
+        for key in parents:
+            data = data[int(key)] if isinstance(data, list) else data[key]
+        data[int(last) if isinstance(data, list) else last] = value
+    return mutate
+
+
+NESTED = b'{"format": "ctxpatch-session", "schema_version": 1, "runs": ' + b"[" * 100_000
+#: (case, file bytes, what the one line says)
+BAD = [
+    ("random bytes", bytes(range(256)) * 4, "not JSON"),
+    ("empty", b"", "not JSON"),
+    ("truncated", FIXTURE.read_bytes()[:5000], "not JSON"),
+    ("not UTF-8", b'{"format": "ctxpatch-session", "saved": "\xff\xfe"}', "not JSON"),
+    ("deeply nested", NESTED + b"]" * 100_000 + b"}", "nested too deeply"),
+    ("a list", b"[1, 2, 3]", "not a ctxpatch session"),
+    ("newer schema", json.dumps({"format": "ctxpatch-session", "schema_version": 7}).encode(),
+     "update ctxpatch"),
+    ("runs a string", _json(lambda d: d.update(schema_version=1, runs="abc")), "runs: Input"),
+    ("inputs a list", _json(_set("inputs", [])), "inputs: Input should be"),
+    ("options a string", _json(lambda d: d.update(schema_version=1, options="x", runs=[])),
+     "options: Input should be"),
+    ("a match as text", _json(_set("run.steps.1.match", "yes")), "run.steps[1].match"),
+    ("a token as a number", _json(_set("run.steps.0.baseline_token", 5)),
+     "run.steps[0].baseline_token"),
+    ("top-k null", _json(_set("run.steps.2.top_k", None)), "run.steps[2].top_k"),
+    ("a metric as text", _json(_set("run.steps.0.linf", "1.5")), "got '1.5'"),
+    ("a huge number of new tokens", _json(_set("inputs.max_new_tokens", 10**30)),
+     "inputs.max_new_tokens"),
+    ("a huge token id", _json(_set("run.steps.0.patched_token.id", 2**40)), "less than"),
+    ("a huge float", _json(_set("run.steps.0.tvd", 10**400)), "run.steps[0].tvd"),
+    ("a huge layer count", _json(_set("run.model.num_layers", 10**12)), "num_layers"),
+    ("steps out of order", _json(_set("run.steps.1.step", 5000)), "numbered 5000"),
+    ("a layer key that is not a number", _json(_set("run.steps.0.patch_norms", {"x": {}})),
+     "patch_norms.x"),
+    ("a plan with an unknown field", _json(_set("run.controllability.plan", [{"x": 1}])),
+     "plan[0]"),
+    ("missing max_new_tokens", _json(lambda d: d["run"]["settings"].pop("max_new_tokens")),
+     "max_new_tokens: Field required"),
+]
+
+
+@pytest.fixture
+def clean_state() -> Any:
+    """No autosave (nor one moved aside) before and after the test."""
+    def clear() -> None:
+        folder = autosave_path().parent
+        for p in folder.glob("autosave.json*") if folder.is_dir() else ():
+            p.rmdir() if p.is_dir() else p.unlink()
+    clear()
+    yield autosave_path()
+    clear()
+
+
+@pytest.mark.parametrize("case,content,says", BAD, ids=[c[0] for c in BAD])
+def test_a_bad_autosave_is_moved_aside_and_the_window_starts(fresh: Any, clean_state: Path,
+                                                             case: str, content: bytes,
+                                                             says: str) -> None:
+    clean_state.parent.mkdir(parents=True, exist_ok=True)
+    clean_state.write_bytes(content)
+    w = fresh()
+    w.offer_autosave()  # what `ctxpatch` does at every start: it must return, whatever the file
+    message = w.last_error
+    assert w.banner.isVisible() and not w.notice.isVisible()
+    assert "\n" not in message and "internal error" not in message and "autosave" in message
+    assert "moved aside" in message, message
+    assert not clean_state.exists()
+    (aside,) = clean_state.parent.glob("autosave.json.bad-*")
+    assert aside.read_bytes() == content and str(aside) in message  # kept to look at
+    assert w.open_session(str(FIXTURE)) and len(w.state.steps) == 3  # the window works
+
+
+def test_an_autosave_folder_is_moved_aside(fresh: Any, clean_state: Path) -> None:
+    clean_state.mkdir(parents=True)
+    w = fresh()
+    w.offer_autosave()
+    assert "not a file" in w.last_error and not clean_state.exists()
+
+
+def test_an_old_autosave_is_offered_and_a_good_one_stays(fresh: Any, clean_state: Path) -> None:
+    clean_state.parent.mkdir(parents=True, exist_ok=True)
+    clean_state.write_bytes(FIXTURE.read_bytes())
+    w = fresh()
+    w.offer_autosave()
+    assert w.notice.isVisible() and not w.banner.isVisible()
+    assert "1 run(s)" in w.notice.label.text() and "(saved 2026-11-01" in w.notice.label.text()
+    assert clean_state.read_bytes() == FIXTURE.read_bytes()
+    w.notice.button.click()
+    assert len(w.state.steps) == 3
+
+
+def test_an_autosave_that_cannot_be_moved_is_left_and_named(fresh: Any, clean_state: Path,
+                                                           monkeypatch: Any) -> None:
+    import app.session
+
+    def refuse(path: Path) -> Path:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(app.session, "move_aside", refuse)
+    clean_state.parent.mkdir(parents=True, exist_ok=True)
+    clean_state.write_bytes(b"garbage")
+    w = fresh()
+    w.offer_autosave()
+    assert "could not be moved aside (Permission denied)" in w.last_error
+    assert clean_state.read_bytes() == b"garbage"  # left as it was, the window started
+
+
+@pytest.mark.parametrize("case,content,says", BAD, ids=[c[0] for c in BAD])
+def test_opening_a_bad_session_is_one_line_and_changes_nothing(fresh: Any, tmp_path: Path,
+                                                               case: str, content: bytes,
+                                                               says: str) -> None:
+    w = fresh()
+    assert w.open_session(str(FIXTURE))
+    w.input_panel.query.setPlainText("my unsaved question")
+    before = (list(w.state.steps), list(w.history), w.generation.pane_texts())
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(content)
+    assert not w.open_session(str(bad))
+    message = w.last_error
+    assert message.startswith(f"the session {bad} is ") and says in message, message
+    assert "\n" not in message and "internal error" not in message and w.banner.isVisible()
+    assert (list(w.state.steps), list(w.history), w.generation.pane_texts()) == before
+    assert w.input_panel.query.toPlainText() == "my unsaved question"
+    assert bad.read_bytes() == content
+
+
+def test_a_session_never_ticks_trust_remote_code(fresh: Any, tmp_path: Path) -> None:
+    path = tmp_path / "s.json"
+    path.write_bytes(_json(lambda d: d.update(
+        schema_version=1, runs=[d["run"]], current=0,
+        options={"model": "x", "trust_remote_code": True, "allow_pickle": True})))
+    w = fresh()
+    assert w.open_session(str(path)), w.last_error
+    assert not w.model_panel.trust.isChecked() and not w.model_panel.pickle.isChecked()
+
+
+def big_session(path: Path, n: int) -> Path:
+    """A session whose run has ``n`` steps (the fixture's three, repeated)."""
+    data = _fixture()
+    run = data.pop("run")
+    template = [json.dumps(s) for s in run["steps"]]
+    steps = []
+    for i in range(n):
+        step = json.loads(template[i % 3])
+        step["step"], step["position"] = i, 36 + i
+        steps.append(step)
+    run = {**run, "steps": steps, "settings": {**run["settings"], "max_new_tokens": n}}
+    path.write_text(json.dumps({**data, "schema_version": 1, "runs": [run], "current": 0}))
+    return path
+
+
+def test_replaying_a_long_run_redraws_once() -> None:
+    """The cause of minutes-long opening: every step of a reopened run redrew every view."""
+    from app.report import fill_state
+    from app.state import RunState
+    from core.records import run_from_record
+
+    run = run_from_record(_fixture()["run"])
+    long = type(run)(run.settings, run.model, run.prompt, run.steps * 3000, run.record)
+    state, events = RunState(), []
+    state.subscribe(events.append)
+    with state.batch():
+        fill_state(state, long)
+    assert events == ["reset"] and len(state.steps) == 9000 and not state.running
+
+
+def test_a_9000_step_session_opens_on_the_worker(qtbot: Any, fresh: Any, tmp_path: Path) -> None:
+    import time
+
+    path = big_session(tmp_path / "big.json", 9000)
+    w = fresh()
+    progress: list[str] = []
+    w.worker_created.connect(lambda worker: worker.progress.connect(
+        lambda message, done, total: progress.append(message)))
+    start = time.perf_counter()
+    with qtbot.waitSignal(w.session_opened, timeout=180_000) as blocker:
+        assert w.open_session(str(path))
+        assert w.busy and time.perf_counter() - start < 1.0  # the GUI thread is free meanwhile
+    assert blocker.args == ["completed"], w.last_error
+    assert time.perf_counter() - start < 90  # it took over 150 s (quadratic) before issue 19
+    assert len(w.state.steps) == 9000 and len(w.history) == 1 and progress
+    assert w.plots.curves[("linf", "patched")].getData()[0].size == 9000
+    assert w.status_label.text() == f"Opened the session {path}"
+
+
+def test_opening_a_large_session_can_be_cancelled(qtbot: Any, fresh: Any, tmp_path: Path) -> None:
+    path = big_session(tmp_path / "big.json", 3000)
+    w = fresh()
+    assert w.open_session(str(FIXTURE)) and len(w.state.steps) == 3
+    with qtbot.waitSignal(w.session_opened, timeout=120_000) as blocker:
+        assert w.open_session(str(path))
+        w.cancel()  # Esc
+    assert blocker.args == ["cancelled"]
+    assert len(w.state.steps) == 3 and len(w.history) == 1 and not w.busy
+    assert "cancelled" in w.status_label.text()
+
+
+def test_a_bad_large_session_fails_on_the_worker_with_one_line(qtbot: Any, fresh: Any,
+                                                              tmp_path: Path) -> None:
+    path = big_session(tmp_path / "big.json", 3000)
+    path.write_text(path.read_text().replace('"match": true', '"match": "true"', 1))
+    w = fresh()
+    with qtbot.waitSignal(w.session_opened, timeout=120_000) as blocker:
+        assert w.open_session(str(path))
+    assert blocker.args == ["failed"] and "match: Input should be a valid boolean" in w.last_error
+    assert "\n" not in w.last_error and not w.state.steps
