@@ -350,8 +350,7 @@ def iter_token_patches(
                     return
                 t0 = time.perf_counter()
                 with recording(all_layers, sites, dtype, should_stop) as targets:
-                    base = last_logits(model, feed, device, cache=base_cache,
-                                       pixels=prompt.pixels if step == 0 else None)
+                    base = last_logits(model, feed, device, cache=base_cache, pixels=prompt.pixels)
                 t1 = time.perf_counter()
                 red_ids, red_pos = reduced_sequence(prompt, history, settings.absorb, settings.keep_bos)
                 if cached_query:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from core.images import vision_kwargs
+from core.images import input_rules, vision_kwargs
 
 
 @contextmanager
@@ -44,24 +44,33 @@ def fresh_states(cache: Any) -> None:
 
 
 def last_logits(model: Any, ids: Sequence[int], device: torch.device, cache: Any = None,
-                positions: Sequence[int] | None = None, pixels: dict[str, Any] | None = None
-                ) -> torch.Tensor:
+                positions: Sequence[int] | None = None, pixels: dict[str, Any] | None = None,
+                prompt_length: int | None = None) -> torch.Tensor:
     """Last-position logits as a float64 CPU vector.
 
-    ``pixels``: an image's processor inputs (`core.prompt.Prompt.pixels`), for a run over ids
-    from position 0 that contain its image tokens.
+    ``pixels``: an image's processor inputs (`core.prompt.Prompt.pixels`), for the full run: a run
+    over ids from position 0 that contain its image tokens, or (``cache`` holding those) its
+    continuation, which the model runs as `generate` does; ``prompt_length``: how many of ``ids``
+    are the prompt, when a full run from position 0 also holds generated tokens. Without
+    ``pixels``, a run reads text only; families whose model keeps the image's position offset
+    between calls (Qwen2-VL's M-RoPE) then get the language model's plain positions explicitly.
     """
     kwargs: dict[str, Any] = {"logits_to_keep": 1}
+    past = 0
     if cache is not None:
         fresh_states(cache)
         kwargs.update(cache=cache, use_cache=True)
+        past = cache.get_seq_length()
     else:
         kwargs["use_cache"] = False
+    input_ids = torch.tensor([list(ids)], device=device)
+    if pixels is not None:
+        if past == 0:
+            kwargs.update(vision_kwargs(model, pixels, input_ids, prompt_length))
+    elif positions is None and input_rules(model.config).plain_positions:
+        positions = range(past, past + len(ids))
     if positions is not None:
         kwargs["position_ids"] = torch.tensor([list(positions)], device=device)
-    input_ids = torch.tensor([list(ids)], device=device)
-    if pixels:
-        kwargs.update(vision_kwargs(model, pixels, input_ids))
     out = model(input_ids=input_ids, **kwargs)
     return out.logits[0, -1].detach().to("cpu", torch.float64)
 

@@ -344,7 +344,7 @@ def load_model(
         auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
         model = checked_from_pretrained(auto, spec, source, **kwargs)
         stage = "processor" if image_text else "tokenizer"
-        processor = _processor(source, kwargs, trust_remote_code) if image_text else None
+        processor = _processor(source, kwargs, trust_remote_code, config) if image_text else None
         tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(
             source,
             local_files_only=kwargs.get("local_files_only", False),
@@ -383,12 +383,20 @@ def _check_vocabulary(spec: str, model: Any, tokenizer: Any) -> None:
                         "the tokenizer belongs to another model")
 
 
-def _processor(source: str, kwargs: dict[str, Any], trust_remote_code: bool) -> Any:
-    """An image+text model's processor (tokenizer and image processor), offline where asked."""
+def _processor(source: str, kwargs: dict[str, Any], trust_remote_code: bool, config: Any) -> Any:
+    """An image+text model's processor (tokenizer and image processor), offline where asked; a
+    family whose processor also takes videos gets it for pictures alone, without the video
+    processor that needs torchvision (`core.images.processor_class`)."""
     from transformers import AutoProcessor
 
-    return AutoProcessor.from_pretrained(
-        source,
-        local_files_only=kwargs.get("local_files_only", False),
-        trust_remote_code=trust_remote_code,
-    )
+    from core.images import processor_class
+
+    options = {"local_files_only": kwargs.get("local_files_only", False),
+               "trust_remote_code": trust_remote_code}
+    try:
+        own = None if trust_remote_code else processor_class(config)
+        return (own or AutoProcessor).from_pretrained(source, **options)
+    except ImportError as exc:  # torchvision, or another package the processor needs
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"cannot build the processor of this {config.model_type} model here: "
+                        f"{first}") from None

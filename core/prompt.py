@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.errors import UserError
-from core.images import ImageInfo, encode_image, image_marker, text_only
+from core.images import ImageInfo, encode_image, image_layout, image_marker, text_only
 
 #: segment kinds that absorb mode "context" takes out of the reduced sequence
 ABSORBED = ("context", "image")
@@ -154,12 +154,16 @@ def build_prompt(tokenizer: Any, context: str, query: str, chat_template: bool =
         pieces = [("context", mid + ctx_text), ("query", query), ("template", tail)]
         segments += [Segment(k, t, _encode(tokenizer, t)) for k, t in pieces if t]
     else:
-        if _adds_bos(tokenizer):
+        # BOS, the image, the context, the query; or (PaliGemma) the image, BOS, ..., its end
+        end = None if picture is None else image_layout(processor).image_first_end
+        if picture is not None and end is not None:
+            segments.append(picture)
+        if _adds_bos(tokenizer) or (end is not None and tokenizer.bos_token_id is not None):
             bos = tokenizer.bos_token_id
             segments.append(Segment("template", tokenizer.convert_ids_to_tokens(bos), (bos,)))
-        if picture is not None:
+        if picture is not None and end is None:
             segments.append(picture)
-        for kind, text in (("context", ctx_text), ("query", query)):
+        for kind, text in (("context", ctx_text), ("query", query), ("template", end)):
             if text:
                 segments.append(Segment(kind, text, _encode(tokenizer, text)))
     return Prompt(tuple(segments), bos_id=getattr(tokenizer, "bos_token_id", None),

@@ -254,7 +254,8 @@ def verify_patches(
         for t, meta in enumerate(pf.steps):
             if should_stop is not None and should_stop():
                 raise Cancelled
-            full = last_logits(model, meta["full_input_ids"], device, pixels=pixels)
+            full = last_logits(model, meta["full_input_ids"], device, pixels=pixels,
+                               prompt_length=len(pf.steps[0]["full_input_ids"]))
             red, pos = meta["reduced_input_ids"], meta["reduced_position_ids"]
             step_patches = pf.patches.get(t, {})
             if query_scope and len(red) > 1:

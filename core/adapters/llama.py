@@ -45,7 +45,8 @@ _NOTES = (
 
 ADAPTER = Adapter(
     family="Llama / Mistral / Qwen",
-    model_types=("llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3"),
+    model_types=("llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3",
+                 "qwen2_vl_text", "qwen2_5_vl_text"),  # (the language models of Qwen2(.5)-VL)
     sites=_sites,
     output_controls=("matrix",),
     notes=_NOTES,

@@ -317,3 +317,31 @@ def test_the_data_is_written_before_the_report(capsys, folder: Path, tmp_path: P
     assert (tmp_path / "r.csv").is_file() and (tmp_path / "p.safetensors").is_file()
     assert not (tmp_path / "r_plots").exists() and not (tmp_path / "r.html").exists()
     capsys.readouterr()
+
+
+# --- pictures -----------------------------------------------------------------------------
+
+def test_bad_pictures_are_one_clean_line(capsys, folder: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A decompression bomb (a tiny PNG that claims 20,000 x 20,000 pixels), random bytes (no
+    BytesIO repr in the message) and a FIFO (not "a folder"), each one line before any work,
+    and no Pillow warning on stderr."""
+    import os
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+
+    bomb = tmp_path / "bomb.png"
+    bomb.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 20000, 20000,
+                                                                       8, 2, 0, 0, 0))
+                     + chunk(b"IDAT", zlib.compress(b"\x00" * 1000)) + chunk(b"IEND", b""))
+    noise = tmp_path / "noise.png"
+    noise.write_bytes(os.urandom(300))
+    fifo = tmp_path / "fifo.png"
+    os.mkfifo(fifo)
+    for path, words in ((bomb, "too large"), (noise, "cannot read"), (fifo, "pipe")):
+        line = _err(capsys, ["compare", "--model", str(folder), *CASE, "--image", str(path)])
+        assert words in line and "BytesIO" not in line and "folder" not in line, line
+        assert "Warning" not in capsys.readouterr().err

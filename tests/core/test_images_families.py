@@ -1,0 +1,193 @@
+"""Image context for the image+text families of issue 18 (Qwen2-VL, Qwen2.5-VL, ...) on tiny
+random float64 models saved as folders and loaded the way a user's are: the processor comes from
+the folder's files without torchvision. With the picture as the context, the patched text-only
+run equals the run with the picture, the saved patches reproduce it through plain weights
+(`ctxpatch verify --image`), and dropping the output patches breaks it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_images import FAMILIES, save_family_folder
+
+from core.compare import Settings, iter_token_patches
+from core.errors import UserError
+from core.export import save_patches
+from core.images import read_image, vision_kwargs
+from core.loading import load_model
+from core.prompt import build_prompt
+from core.verify import (
+    image_pixels,
+    materialized,
+    read_patches,
+    recorded_image,
+    verify_patches,
+)
+from resources import sample_image_path
+
+QUERY = "Hello world!"
+CONTEXT = "The quick brown fox"
+TOKENS = 3
+EXACT = 1e-6
+
+
+def _missing(kind: str) -> str | None:
+    """Why a family cannot run here, if it cannot."""
+    import importlib.util
+
+    from core.adapters import REGISTRY
+
+    if kind.startswith("qwen2") and f"{kind}_text" not in REGISTRY:
+        return f"the Llama / Qwen adapter does not list {kind}_text (core/adapters/llama.py)"
+    if kind == "smolvlm" and importlib.util.find_spec("num2words") is None:
+        return "SmolVLM's processor needs the num2words package"
+    return None
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param(k, marks=pytest.mark.skipif(_missing(k) is not None, reason=_missing(k) or ""))
+    for k in FAMILIES])
+def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_family_folder(tmp_path_factory.mktemp(f"tiny-{request.param}"), request.param)
+
+
+@pytest.fixture(scope="module")
+def loaded(folder: Path):  # type: ignore[no-untyped-def]
+    return load_model(str(folder), dtype="float64", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def picture():  # type: ignore[no-untyped-def]
+    return read_image(sample_image_path())
+
+
+def _steps(loaded, picture, context="", chat=False, **kw):  # type: ignore[no-untyped-def]
+    prompt = build_prompt(loaded.tokenizer, context, QUERY, chat_template=chat, image=picture,
+                          processor=loaded.processor)
+    settings = Settings(max_new_tokens=TOKENS, **kw)
+    return prompt, settings, list(iter_token_patches(loaded, prompt, settings))
+
+
+def test_the_processor_needs_no_torchvision(loaded) -> None:  # type: ignore[no-untyped-def]
+    assert not getattr(loaded.processor, "video_processor", None)
+    assert "video_processor" not in type(loaded.processor).get_attributes()
+    assert type(loaded.processor.image_processor).__name__.endswith("Pil")
+
+
+@pytest.mark.parametrize("method,absorb,scope", [
+    ("direct", "context", "all-positions"), ("stable", "context", "query"),
+    ("direct", "all", "query"), ("stable", "all", "all-positions")])
+def test_patched_text_only_equals_full_run_with_image(loaded, picture, method, absorb, scope
+                                                       ) -> None:  # type: ignore[no-untyped-def]
+    prompt, _, steps = _steps(loaded, picture, method=method, absorb=absorb, scope=scope)
+    kinds = [s.kind for s in prompt.segments]  # (PaliGemma: the image before BOS)
+    assert kinds in (["template", "image", "query"], ["image", "template", "query", "template"])
+    assert len(steps) == TOKENS
+    image_token = loaded.model.config.image_token_id
+    for s in steps:
+        assert image_token in s.full_input_ids and image_token not in s.reduced_input_ids
+        assert s.patched.match
+        assert s.patched.linf <= EXACT * s.logit_scale, (s.step, s.patched.linf, s.logit_scale)
+        assert s.control.linf > 1e3 * EXACT * s.logit_scale  # the image matters
+    if loaded.model.config.model_type.startswith("qwen2"):  # M-RoPE: the grid moved the text
+        assert int(loaded.model.model.rope_deltas.abs().max()) > 0
+
+
+def test_the_baseline_is_plain_generation_with_the_image(loaded, picture) -> None:  # type: ignore[no-untyped-def]
+    """The full-context side (one cached step per token, the pixels in the first) makes the
+    tokens transformers' own generate makes from the processor's inputs."""
+    prompt, _, steps = _steps(loaded, picture, context=CONTEXT)
+    ids = torch.tensor([list(prompt.full_ids)])
+    with torch.inference_mode():
+        out = loaded.model.generate(ids, max_new_tokens=TOKENS, min_new_tokens=TOKENS,
+                                    do_sample=False,
+                                    **vision_kwargs(loaded.model, prompt.pixels, ids))
+    assert out[0, ids.shape[1]:].tolist() == [s.baseline_token for s in steps]
+
+
+def test_the_pixels_matter(loaded, picture) -> None:  # type: ignore[no-untyped-def]
+    from PIL import Image
+
+    _, _, steps = _steps(loaded, picture, context=CONTEXT)
+    other = (Image.new("RGB", picture[0].size, (0, 90, 200)), picture[1])
+    _, _, other_steps = _steps(loaded, other, context=CONTEXT)
+    first, second = steps[0], other_steps[0]
+    assert first.full_input_ids == second.full_input_ids
+    assert max(abs(a - b) for a, b in zip(first.baseline_top_k.probs, second.baseline_top_k.probs,
+                                          strict=True)) > 1e-4 * first.baseline_top_k.probs[0]
+
+
+def test_chat_template_with_image(loaded, picture) -> None:  # type: ignore[no-untyped-def]
+    from core.images import image_marker
+
+    marker = image_marker(loaded.processor)
+    loaded.processor.chat_template = (
+        "{% for m in messages %}<u>{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+        "{{ '" + marker + "' }}\n{% else %}{{ c['text'] }}{% endif %}"
+        "{% endfor %}</u>{% endfor %}{% if add_generation_prompt %}<a>{% endif %}")
+    try:
+        prompt, _, steps = _steps(loaded, picture, context=CONTEXT, chat=True)
+    finally:
+        loaded.processor.chat_template = None
+    assert [s.kind for s in prompt.segments] == ["template", "image", "context", "query",
+                                                 "template"]
+    assert all(s.patched.match and s.patched.linf <= EXACT * s.logit_scale for s in steps)
+
+
+@pytest.mark.parametrize("scope", ["all-positions", "query"])
+def test_saved_patches_verify_with_the_image(loaded, folder, picture, scope, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]
+                                             ) -> None:  # type: ignore[no-untyped-def]
+    from app.cli import main
+
+    prompt, settings, steps = _steps(loaded, picture, context=CONTEXT, scope=scope,
+                                     keep_patches=True)
+    path = tmp_path / "p.safetensors"
+    save_patches(path, steps, str(folder), "float64", settings, image=prompt.image)
+    pf = read_patches(path)
+    pixels = image_pixels(loaded, recorded_image(pf))
+    checks = verify_patches(loaded, pf, pixels=pixels)
+    assert len(checks) == TOKENS
+    assert all(c.match and c.linf <= EXACT * c.scale for c in checks)
+    if scope == "all-positions":  # plain transformers: the patched weights on the reduced ids
+        model, prompt_length = loaded.model, len(prompt.full_ids)
+        for t, meta in enumerate(pf.steps):
+            full = torch.tensor([meta["full_input_ids"]])
+            extra = vision_kwargs(model, pixels, full, prompt_length)
+            with torch.inference_mode():
+                base = model(input_ids=full, **extra).logits[0, -1]
+                reduced = meta["reduced_input_ids"]  # (positions null: 0 .. n-1)
+                with materialized(model, pf.patches[t]):
+                    logits = model(input_ids=torch.tensor([reduced]),
+                                   position_ids=torch.arange(len(reduced))[None]).logits
+            assert (logits[0, -1] - base).abs().max() <= EXACT * checks[t].scale
+    # the command line, on a fresh load of the folder
+    assert main(["verify", str(path), "--model", str(folder), "--dtype", "float64",
+                 "--image", str(sample_image_path())]) == 0
+    assert f"{TOKENS}/{TOKENS} tokens match" in capsys.readouterr().out
+    # without the output patches the weights no longer carry the image
+    for step in pf.patches.values():
+        for key in [k for k in step if "down_proj" in k[0] or "post_feedforward" in k[0]]:
+            del step[key]
+    broken = verify_patches(loaded, pf, pixels=pixels)
+    assert max(c.linf / c.scale for c in broken) > 1e-3
+    with pytest.raises(UserError, match="pass --image"):
+        verify_patches(loaded, pf)
+
+
+def test_unsupported_image_text_family_names_the_supported_ones(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers import AutoConfig
+
+    from app.cli import main
+
+    AutoConfig.for_model("llava_onevision").save_pretrained(tmp_path)
+    assert main(["compare", "--model", str(tmp_path), "--image", str(sample_image_path()),
+                 "--query", QUERY, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'llava_onevision' is not supported yet" in err[0]
+    assert all(name in err[0] for name in ("Qwen2-VL", "Mistral 3", "PaliGemma", "Idefics2"))
+
+

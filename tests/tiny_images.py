@@ -1,0 +1,221 @@
+"""Tiny random image+text models of the families of issue 18, with offline processors built
+without torchvision (PIL image processors, no video processor), saved as model folders."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from tiny import GRID_TOKENS, IMAGE_SIZE, llama_config, randomize_norms, tiny_tokenizer
+
+_NORM = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3}
+#: larger than transformers' 0.02: a tiny model's attention stays far from uniform, so the
+#: picture (and which picture) matters to the logits
+INIT = 0.2
+
+
+def _tokenizer(special: list[str], roles: dict[str, str]) -> Any:
+    """The tiny tokenizer plus a family's image tokens (special, ids 320 and up)."""
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
+    base = tiny_tokenizer(320).backend_tokenizer
+    backend = base.__class__.from_str(base.to_str())
+    backend.add_special_tokens([AddedToken(t, special=True) for t in special])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>", extra_special_tokens=roles)
+
+
+def _text(layers: int, vocab: int = 330, **extra: Any) -> dict[str, Any]:
+    text = llama_config(layers=layers, vocab=vocab).to_dict()
+    text.pop("model_type")  # the family's own text model
+    text.update(initializer_range=INIT, **extra)
+    return text
+
+
+def _qwen2_vl(layers: int, v25: bool = False) -> tuple[Any, Any]:
+    from core.images import pictures_only
+
+    if v25:
+        from transformers import Qwen2_5_VLConfig as Config
+        from transformers import Qwen2_5_VLProcessor as Processor
+    else:
+        from transformers import Qwen2VLConfig as Config
+        from transformers import Qwen2VLProcessor as Processor
+    from transformers import Qwen2VLImageProcessorPil
+
+    tok = _tokenizer(["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"],
+                     {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
+    # the 4:3 sample picture at 64 x 48 pixels: 8 x 6 patches of 8, a 4 x 3 grid of tokens after
+    # the 2 x 2 merge, which M-RoPE spans with 4 positions (the text after it moves back by 8)
+    images = Qwen2VLImageProcessorPil(min_pixels=IMAGE_SIZE * IMAGE_SIZE,
+                                      max_pixels=4 * IMAGE_SIZE * IMAGE_SIZE, patch_size=8,
+                                      merge_size=2, temporal_patch_size=2, **_NORM)
+    processor = pictures_only(Processor)(image_processor=images, tokenizer=tok)
+    ids = {f"{k}_token_id": tok.convert_tokens_to_ids(f"<|{k}|>")
+           for k in ("image_pad", "video_pad", "vision_start", "vision_end")}
+    # M-RoPE: the head's 8 rotary dimensions split over time, height and width
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    vision: dict[str, Any] = dict(depth=2, hidden_size=16, num_heads=2, patch_size=8,
+                                  spatial_merge_size=2, temporal_patch_size=2,
+                                  initializer_range=INIT)
+    if v25:  # windowed attention in the first block, full in the second
+        vision.update(intermediate_size=32, out_hidden_size=32, window_size=16,
+                      fullatt_block_indexes=[1])
+    else:
+        vision.update(embed_dim=16, hidden_size=32, mlp_ratio=2)
+    ids = {k.replace("_pad", ""): v for k, v in ids.items()}
+    config = Config(text_config=_text(layers, rope_parameters=rope), vision_config=vision, **ids)
+    return config, processor
+
+
+def _mistral3(layers: int) -> tuple[Any, Any]:
+    from transformers import Mistral3Config, PixtralImageProcessorPil
+
+    from core.images import processor_class
+
+    marks = {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
+             "image_end_token": "[IMG_END]"}
+    tok = _tokenizer(list(marks.values()), {})
+    # the 4:3 sample picture at 64 x 48 pixels: 8 x 6 patches of 8, a 4 x 3 grid of tokens after
+    # the 2 x 2 merge, each row ended by an image break, the last by the image end
+    images = PixtralImageProcessorPil(size={"longest_edge": 2 * IMAGE_SIZE},
+                                      patch_size={"height": 8, "width": 8}, **_NORM)
+    config = Mistral3Config(
+        text_config={**llama_config(layers=layers, vocab=330).to_dict(), "model_type": "mistral",
+                     "initializer_range": INIT},
+        vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32,
+                           num_hidden_layers=2, num_attention_heads=2, head_dim=8,
+                           image_size=2 * IMAGE_SIZE, patch_size=8, initializer_range=INIT),
+        image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2,
+        vision_feature_layer=-1, tie_word_embeddings=False)
+    cls = processor_class(config)  # (transformers' own needs torchvision to import)
+    processor = cls(image_processor=images, tokenizer=tok, patch_size=8, spatial_merge_size=2,
+                    **marks)
+    return config, processor
+
+
+def _paligemma(layers: int) -> tuple[Any, Any]:
+    from transformers import PaliGemmaConfig, PaliGemmaProcessor, SiglipImageProcessorPil
+    from transformers.models.paligemma.processing_paligemma import EXTRA_TOKENS
+
+    # (its processor adds 1152 location and segmentation tokens to the vocabulary)
+    tok = _tokenizer(["<image>", *EXTRA_TOKENS], {"image_token": "<image>"})
+    vocab = len(tok)
+    # PaliGemma 2: a Gemma 2 language model; 16 image tokens (4 x 4 patches of 8 pixels)
+    images = SiglipImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, **_NORM)
+    images.image_seq_length = (IMAGE_SIZE // 8) ** 2
+    text = {**llama_config(layers=layers, vocab=vocab).to_dict(), "model_type": "gemma2",
+            "head_dim": 8, "sliding_window": 4, "query_pre_attn_scalar": 8,
+            "initializer_range": INIT}
+    config = PaliGemmaConfig(
+        text_config=text, vision_config=dict(
+            model_type="siglip_vision_model", hidden_size=16, intermediate_size=32,
+            num_hidden_layers=2, num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=8),
+        image_token_index=tok.convert_tokens_to_ids("<image>"), projection_dim=32, hidden_size=32,
+        vocab_size=vocab, tie_word_embeddings=False)
+    return config, PaliGemmaProcessor(image_processor=images, tokenizer=tok)
+
+
+def _aya_vision(layers: int) -> tuple[Any, Any]:
+    from transformers import AyaVisionConfig, AyaVisionProcessor, GotOcr2ImageProcessorPil
+
+    marks = {"start_of_img_token": "<|START_OF_IMG|>", "end_of_img_token": "<|END_OF_IMG|>",
+             "img_patch_token": "<|IMG_PATCH|>", "img_line_break_token": "<|IMG_LINE_BREAK|>",
+             "tile_token": "TILE", "tile_global_token": "TILE_GLOBAL"}
+    tok = _tokenizer([*marks.values(), "<image>"], {})
+    # one 32 x 32 tile of 4 x 4 patches of 8 pixels, pixel-shuffled by 2 into 4 image tokens
+    images = GotOcr2ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+                                      crop_to_patches=False, **_NORM)
+    processor = AyaVisionProcessor(image_processor=images, tokenizer=tok, patch_size=8,
+                                   img_size=IMAGE_SIZE, downsample_factor=2, **marks)
+    text = {**llama_config(layers=layers, vocab=330).to_dict(), "model_type": "cohere2",
+            "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"] * layers,
+            "logit_scale": 0.5, "initializer_range": INIT}
+    text["layer_types"] = text["layer_types"][:layers]
+    config = AyaVisionConfig(
+        text_config=text, vision_config=dict(
+            model_type="siglip_vision_model", hidden_size=16, intermediate_size=32,
+            num_hidden_layers=2, num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=8),
+        downsample_factor=2, image_token_index=processor.image_token_id,
+        tie_word_embeddings=False)
+    return config, processor
+
+
+def _idefics2(layers: int) -> tuple[Any, Any]:
+    from transformers import Idefics2Config, Idefics2ImageProcessorPil, Idefics2Processor
+
+    tok = _tokenizer(["<fake_token_around_image>", "<image>", "<end_of_utterance>"], {})
+    # 4 x 4 patches of 8 pixels, resampled by the perceiver into 4 latents (4 image tokens)
+    images = Idefics2ImageProcessorPil(size={"shortest_edge": IMAGE_SIZE,
+                                             "longest_edge": IMAGE_SIZE},
+                                       do_image_splitting=False, **_NORM)
+    processor = Idefics2Processor(image_processor=images, tokenizer=tok, image_seq_len=4)
+    config = Idefics2Config(
+        text_config={**llama_config(layers=layers, vocab=330).to_dict(), "model_type": "mistral",
+                     "initializer_range": INIT},
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=8,
+                           initializer_range=INIT),
+        perceiver_config=dict(hidden_size=32, resampler_n_latents=4, resampler_depth=2,
+                              resampler_n_heads=2, resampler_head_dim=8, num_key_value_heads=1,
+                              initializer_range=INIT),
+        image_token_id=processor.image_token_id, tie_word_embeddings=False)
+    return config, processor
+
+
+def _smolvlm(layers: int) -> tuple[Any, Any]:
+    from transformers import SmolVLMConfig, SmolVLMImageProcessorPil, SmolVLMProcessor
+
+    from core.images import pictures_only
+
+    tok = _tokenizer(["<fake_token_around_image>", "<image>", "<end_of_utterance>", *GRID_TOKENS],
+                     {})
+    # a 2 x 2 split plus the global view, 32 x 32 each: 4 x 4 patches of 8 pixels, pixel-shuffled
+    # by 2 into 4 image tokens
+    images = SmolVLMImageProcessorPil(size={"longest_edge": 2 * IMAGE_SIZE},
+                                      max_image_size={"longest_edge": IMAGE_SIZE},
+                                      do_image_splitting=True, **_NORM)
+    processor = pictures_only(SmolVLMProcessor)(image_processor=images, tokenizer=tok,
+                                                image_seq_len=4)
+    config = SmolVLMConfig(
+        text_config={**llama_config(layers=layers, vocab=400).to_dict(),
+                     "initializer_range": INIT},
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=8,
+                           initializer_range=INIT),
+        scale_factor=2, image_token_id=processor.image_token_id, tie_word_embeddings=False)
+    return config, processor
+
+
+#: family -> builder of (config, processor) with so many text layers
+FAMILIES: dict[str, Callable[[int], tuple[Any, Any]]] = {
+    "qwen2_vl": lambda layers: _qwen2_vl(layers),
+    "qwen2_5_vl": lambda layers: _qwen2_vl(layers, v25=True),
+    "mistral3": _mistral3,
+    "paligemma": _paligemma,
+    "aya_vision": _aya_vision,
+    "idefics2": _idefics2,
+    "smolvlm": _smolvlm,
+}
+
+
+def save_family_folder(folder: Path, kind: str, layers: int = 3, seed: int = 0) -> Path:
+    """Write a tiny random float64 model of ``kind`` (random norms and biases; nothing left at
+    zero) and its processor as a model folder."""
+    from transformers import AutoModelForImageTextToText
+
+    config, processor = FAMILIES[kind](layers)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float64).eval()
+    randomize_norms(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.any():  # (zero-initialised projectors would hide the image)
+                p.add_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.2)
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
