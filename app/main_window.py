@@ -28,7 +28,7 @@ from PySide6.QtWidgets import (
 
 from app.jobs import ModelReady, RunStarted, load_job, run_job
 from app.panels.control_panel import QtControlPanel
-from app.panels.generation_panel import QtGenerationPanel
+from app.panels.generation_panel import QtGenerationPanel, plural
 from app.panels.history_panel import QtHistoryPanel
 from app.panels.input_panel import QtInputPanel
 from app.panels.model_panel import QtModelPanel
@@ -343,7 +343,7 @@ class MainWindow(WindowFiles, QMainWindow):
             return
         word = "Done" if outcome == "completed" else "Cancelled"
         self.status_label.setText(
-            f"{word}: {s['tokens']} tokens in {s['seconds']:.1f} s — patched {s['matches']}/"
+            f"{word}: {plural(s['tokens'], 'token')} in {s['seconds']:.1f} s — patched {s['matches']}/"
             f"{s['tokens']} match, max L∞ {s['max_linf']:.3g}; control {s['control_matches']}/"
             f"{s['tokens']}, max L∞ {s['control_max_linf']:.3g}")
 

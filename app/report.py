@@ -25,8 +25,15 @@ from core import __version__
 from core.errors import UserError
 from core.records import Run
 
-PLOT_SIZE = (1100, 760)
-PDF_DPI = 110
+#: the figures' size in the report, in CSS pixels (96 to the inch): the page's width between
+#: A4's 15 mm margins, less the document's own margin; the plots are laid out at this size, with
+#: `FIGURE_PT` text, so that a tick label prints at FIGURE_PT (drawn at `PNG_SCALE` x for print)
+PLOT_SIZE = (670, 520)  # the per-token plots
+NORMS_SIZE = (670, 400)  # a patch-norm heatmap and its profile: two to an A4 page
+FIGURE_PT = 10.0
+PNG_SCALE = 2.5
+#: the PDF's layout unit: one CSS pixel, so an image's width="670" is the same 177 mm as in HTML
+PDF_DPI = 96
 _EXPORT: tuple[Any, Any, Any] | None = None  # (state, per-token panel, patch panel)
 
 
@@ -78,15 +85,18 @@ def plot_images(run: Run) -> dict[str, tuple[bytes, bytes]]:
     global _EXPORT
     if _EXPORT is None:  # made once and reused: see tests/app/conftest.py on destroying plots
         state = RunState()
-        _EXPORT = (state, QtPlotsPanel(state), QtPatchPanel(state))
-        for panel in _EXPORT[1:]:
+        _EXPORT = (state, QtPlotsPanel(state, point_size=FIGURE_PT),
+                   QtPatchPanel(state, point_size=FIGURE_PT))
+        for panel, size in zip(_EXPORT[1:], (PLOT_SIZE, NORMS_SIZE), strict=True):
             panel.setAttribute(Qt.WidgetAttribute.WA_DontShowOnScreen)
-            panel.resize(*PLOT_SIZE)
+            panel.graphics.setFixedSize(*size)  # the figure is exactly its size in the report
     state, plots, patches = _EXPORT
     fill_state(state, run)
     for panel in (plots, patches):
         panel.show()  # lays the plots out; never on screen
+        panel.adjustSize()
     QApplication.processEvents()
+    plots._fit()  # the log axes' margins follow the laid-out height
     images: dict[str, tuple[bytes, bytes]] = {}
     images["per-token"] = _png(plots.graphics), _svg(plots.graphics)
     for key in state.param_keys():
@@ -98,12 +108,14 @@ def plot_images(run: Run) -> dict[str, tuple[bytes, bytes]]:
     return images
 
 
-def _png(graphics: Any) -> bytes:
+def _png(graphics: Any, scale: float = PNG_SCALE) -> bytes:
+    """The figure as PNG, drawn ``scale`` times its size (text and lines scaled with it), to be
+    shown at its size: sharp in print, every label at the point size it was laid out in."""
     import pyqtgraph.exporters as exporters
     from PySide6.QtCore import QBuffer, QByteArray, QIODevice
 
     exporter = exporters.ImageExporter(graphics.ci)
-    exporter.parameters()["width"] = PLOT_SIZE[0]
+    exporter.parameters()["width"] = int(round(graphics.ci.boundingRect().width() * scale))
     image = exporter.export(toBytes=True)
     data = QByteArray()
     buffer = QBuffer(data)
@@ -198,6 +210,81 @@ def _image_html(run: Run, images: dict[str, str]) -> str:
     return f"<p><img src=\"{_esc(images[THUMBNAIL])}\"><br>{_esc(caption)}</p>"
 
 
+#: the run's settings as the report names them: key -> (name, what it means); in this order,
+#: then any others under their own key
+SETTINGS = {
+    "model": ("Model", "hub id, folder or demo"),
+    "dtype": ("Precision", "weights and activations"),
+    "device": ("Device", "where the model ran"),
+    "method": ("Method", "direct: Theorem 1's controls; stable: Appendix B, most of the output "
+                         "correction in the down matrix through RMSNorm inversion"),
+    "absorb": ("Absorbed tokens", "all: everything before the current token (the paper's "
+                                  "protocol); context: the context segments only"),
+    "scope": ("Patch scope", "all-positions: patches act on every reduced position; query: on "
+                             "the current one only"),
+    "layers": ("Patched layers", "the first patched layer absorbs all upstream mismatch"),
+    "output_control": ("Output control", "which parameter takes the output correction"),
+    "disabled": ("Patches left out", "negative controls: a patch kind switched off"),
+    "keep_bos": ("Keep BOS", "absorb all: the reduced sequence keeps BOS at position 0"),
+    "max_new_tokens": ("New tokens", "generated greedily with teacher forcing, at most"),
+    "stop_at_eos": ("Stop at end of sequence", "when the model with the context emits EOS"),
+    "top_k": ("Top-k kept", "candidates kept per token and side"),
+    "control": ("Unpatched control", "the reduced model without patches, run beside"),
+    "keep_patches": ("Patches kept", "every step's patch vectors, for export"),
+    "on_fault": ("On a NaN or infinity", "stop the run, or continue and count it"),
+    "chat_template": ("Chat template", "the prompt wrapped in the model's chat template"),
+    "image": ("Context image", "a picture in the context"),
+}
+_SHOWN_ELSEWHERE = ("context", "query")  # the prompt table shows them in full
+
+
+def _setting_value(key: str, value: Any) -> str:
+    """A setting's value in words: yes/no, "none", the family's default."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if value is None:
+        return {"output_control": "the family's default", "image": "none"}.get(key, "—")
+    if isinstance(value, list | tuple | set | frozenset):
+        return ", ".join(map(str, value)) if value else "none"
+    if isinstance(value, dict):  # an image's description
+        return ", ".join(f"{k} {v}" for k, v in value.items() if k != "sha256")
+    return str(value)
+
+
+def settings_rows(settings: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The settings as (name, value, meaning) rows: known ones first in a reading order."""
+    keys = [k for k in SETTINGS if k in settings]
+    keys += [k for k in settings if k not in SETTINGS and k not in _SHOWN_ELSEWHERE]
+    return [(SETTINGS.get(k, (k, ""))[0], _setting_value(k, settings[k]),
+             SETTINGS.get(k, ("", ""))[1]) for k in keys]
+
+
+def _plural(n: Any, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+#: the report's style. Browsers follow the break rules when printing; Qt's PDF writer knows only
+#: page-break-before/after, so `keep_with_next` does the rest there: a heading never ends a page,
+#: and a figure that does not fit the rest of a page starts the next one with its heading
+STYLE = """
+body { font-family: sans-serif; line-height: 1.4; }
+table { border-collapse: collapse; margin: 0.5em 0; }
+td, th { border: 1px solid #999; padding: 2px 6px; text-align: left; vertical-align: top; }
+th { background-color: #eeeeee; }
+td.value { font-weight: bold; }
+td.note { color: #555555; }
+.gen { white-space: pre-wrap; font-family: monospace; border: 1px solid #999; padding: 6px; }
+h1, h2, h3 { page-break-after: avoid; break-after: avoid; }
+div.figure { page-break-inside: avoid; break-inside: avoid; margin: 0 0 1em 0; }
+p.figure { line-height: 100%; margin: 0; }
+div.figure h3 { margin-top: 10px; margin-bottom: 6px; }
+tr { page-break-inside: avoid; break-inside: avoid; }
+@page { size: A4; margin: 15mm; }
+"""
+#: a browser's page only: Qt's text layout would take the margin as a page-wide indent
+SCREEN_STYLE = "body { max-width: 60em; margin: 2em auto; }"
+
+
 def _plans(run: Run) -> tuple[Any, ...]:
     from core.controllability import LayerPlan
 
@@ -224,13 +311,21 @@ def _controllability_html(run: Run) -> str:
     return f"<p>{_esc(line)}</p>{_table(rows, head)}"
 
 
-def report_html(run: Run, images: dict[str, str]) -> str:
+def _settings_table(settings: dict[str, Any]) -> str:
+    rows = "".join(f"<tr><td>{_esc(name)}</td><td class=\"value\">{_esc(value)}</td>"
+                   f"<td class=\"note\">{_esc(note)}</td></tr>"
+                   for name, value, note in settings_rows(settings))
+    return ("<table class=\"settings\"><tr><th>setting</th><th>value</th><th>meaning</th></tr>"
+            f"{rows}</table>")
+
+
+def report_html(run: Run, images: dict[str, str], screen: bool = True) -> str:
     """The report's HTML; ``images`` maps each plot name (and the context image's thumbnail,
-    `THUMBNAIL`) to its ``src`` (data URI or file)."""
+    `THUMBNAIL`) to its ``src`` (data URI or file); ``screen``: for a browser (the PDF's page
+    has its own margins)."""
     summary = run.record.get("summary", {})
     p, c = summary.get("patched") or {}, summary.get("control") or {}
     n = summary.get("tokens", len(run.steps))
-    settings = [(k, v) for k, v in run.settings.items() if k not in ("context", "query")]
     prompt_rows = [(seg.kind, seg.text, len(seg.ids)) for seg in run.prompt.segments]
     metrics = [
         ("token match", f"{p.get('matches', '?')}/{n}", f"{c.get('matches', '?')}/{n}"),
@@ -247,19 +342,16 @@ def report_html(run: Run, images: dict[str, str]) -> str:
     faults = summary.get("faults", {})
     seconds = summary.get("seconds", {})
     titles = {"per-token": "Per-token metrics (patched vs unpatched control)"}
-    titles.update({name: f"Patch norms of {name.split('/', 1)[1]}: layer x token, and the last "
-                         "token's per-layer profile" for name in images if "/" in name})
+    titles.update({name: f"Patch norms: {name.split('/', 1)[1]}" for name in images
+                   if "/" in name})
+    sizes = {name: PLOT_SIZE if name == "per-token" else NORMS_SIZE for name in titles}
     plots = "".join(
-        f"<h3>{_esc(title)}</h3><p><img src=\"{_esc(images[name])}\" width=\"680\"></p>"
+        f"<div class=\"figure\"><h3>{_esc(title)}</h3><p class=\"figure\">"
+        f"<img src=\"{_esc(images[name])}\" width=\"{sizes[name][0]}\"></p></div>"
         for name, title in titles.items() if name in images)
     return f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>ctxpatch report</title>
-<style>
-body {{ font-family: sans-serif; max-width: 60em; margin: 2em auto; line-height: 1.4; }}
-table {{ border-collapse: collapse; margin: 0.5em 0; }}
-td, th {{ border: 1px solid #999; padding: 2px 6px; text-align: left; vertical-align: top; }}
-.gen {{ white-space: pre-wrap; font-family: monospace; border: 1px solid #999; padding: 6px; }}
-</style></head><body>
+<style>{STYLE}{SCREEN_STYLE if screen else ""}</style></head><body>
 <h1>ctxpatch report</h1>
 <p>Context and parameter updates (Goldwaser et al., arXiv 2511.17864): the original model
 <b>with</b> the context, and the same model <b>without</b> it but with token-specific weight
@@ -268,11 +360,11 @@ patches. Made by ctxpatch {_esc(__version__)} on
 <h2>Model</h2>
 {_table([(k, v) for k, v in run.model.items()])}
 <h2>Settings</h2>
-{_table(settings)}
+{_settings_table(run.settings)}
 <h2>Prompt</h2>
 {_table(prompt_rows, ("segment", "text", "tokens"))}
 {_image_html(run, images)}
-<h2>Generations ({n} tokens; mismatches marked)</h2>
+<h2>Generations ({_esc(_plural(n, "token"))}; mismatches marked)</h2>
 <p><b>With context</b> (original model)</p><div class="gen">{_tokens(run, "baseline")}</div>
 <p><b>Without context, patched</b></p><div class="gen">{_tokens(run, "patched")}</div>
 <h2>Pooled metrics</h2>
@@ -284,6 +376,9 @@ Time: {_esc(', '.join(f'{k} {_fmt(v)} s' for k, v in seconds.items()))}.</p>
 <h2>Verification</h2>
 {verify_html}
 <h2>Plots</h2>
+<p>The per-token metrics on log scales, with the unpatched control; then, for each patched
+parameter, the norm of its patch per layer and token (log10) and the last token's per-layer
+profile.</p>
 {plots}
 </body></html>
 """
@@ -346,7 +441,7 @@ def report_document(run: Run, images: dict[str, tuple[bytes, bytes]],
     for name, png in pngs.items():
         doc.addResource(QTextDocument.ResourceType.ImageResource, QUrl(f"{name}.png"),
                         QImage.fromData(png, "PNG"))
-    doc.setHtml(report_html(run, {name: f"{name}.png" for name in pngs}))
+    doc.setHtml(report_html(run, {name: f"{name}.png" for name in pngs}, screen=False))
     return doc
 
 
@@ -364,7 +459,75 @@ def _write_pdf(run: Run, images: dict[str, tuple[bytes, bytes]], path: str,
     writer.setResolution(PDF_DPI)
     writer.setTitle("ctxpatch report")
     doc.setPageSize(writer.pageLayout().paintRectPixels(writer.resolution()).size().toSizeF())
+    keep_with_next(doc)
     doc.print_(writer)
+
+
+def _is_heading(block: Any) -> bool:
+    return block.blockFormat().headingLevel() > 0
+
+
+def _first_line(layout: Any, block: Any) -> tuple[float, float]:
+    """The top (in the document) and height of a block's first line."""
+    rect = layout.blockBoundingRect(block)
+    lines = block.layout()
+    if not lines.lineCount():
+        return rect.top(), rect.height()
+    line = lines.lineAt(0)
+    return rect.top() + line.y(), line.height()
+
+
+def _heading_runs(doc: Any) -> list[tuple[Any, int, int]]:
+    """Each run of headings (a heading and any headings right after it) as (its first block, the
+    page it is on, the page where what follows starts), in the document's current layout."""
+    layout, height = doc.documentLayout(), doc.pageSize().height()
+    doc.pageCount()  # lays the whole document out
+    out = []
+    block = doc.begin()
+    while block.isValid():
+        previous = block.previous()
+        if _is_heading(block) and not (previous.isValid() and _is_heading(previous)):
+            after = block.next()
+            while after.isValid() and _is_heading(after):
+                after = after.next()
+            if after.isValid():
+                # where the first lines are drawn: a line that would cross a page's foot is
+                # moved down inside its block, so the block's own top can be a page early
+                top = _first_line(layout, block)[0]
+                line_top, line_height = _first_line(layout, after)
+                bottom = line_top + max(1.0, line_height) - 0.5
+                out.append((block, int(top // height), int(bottom // height)))
+        block = block.next()
+    return out
+
+
+def heading_pages(doc: Any) -> list[tuple[str, int, int]]:
+    """(heading, its page, the page where what follows it starts) for each run of headings."""
+    return [(block.text(), page, follows) for block, page, follows in _heading_runs(doc)]
+
+
+def keep_with_next(doc: Any, rounds: int = 100) -> int:
+    """Keep every heading on the page of what follows it: a heading left at the foot of a page
+    (its table or figure pushed on to the next) gets a page break before it, so a large figure
+    starts a page with its heading. Qt's text layout has page-break-before but no keep-with-next
+    (CSS break-after: avoid); this is it. Returns how many breaks were added."""
+    from PySide6.QtGui import QTextBlockFormat, QTextCursor, QTextFormat
+
+    always = QTextFormat.PageBreakFlag.PageBreak_AlwaysBefore
+    added = 0
+    for _ in range(rounds):  # each break moves everything after it: look again from the top
+        for block, page, follows in _heading_runs(doc):
+            if page != follows and not block.blockFormat().pageBreakPolicy() & always:
+                fmt = QTextBlockFormat()
+                fmt.setPageBreakPolicy(always)
+                QTextCursor(block).mergeBlockFormat(fmt)
+                start = block.position()  # everything after it moves: lay it out again
+                doc.markContentsDirty(start, doc.characterCount() - start)
+                added += 1
+                break
+        else:
+            return added
+    return added
 
 
 def page_images(doc: Any, width: int = 800) -> list[Any]:
@@ -374,6 +537,7 @@ def page_images(doc: Any, width: int = 800) -> list[Any]:
 
     height = int(width * 297 / 210)
     doc.setPageSize(QSizeF(width, height))
+    keep_with_next(doc)
     pages = []
     for i in range(doc.pageCount()):
         image = QImage(width, height, QImage.Format.Format_RGB32)

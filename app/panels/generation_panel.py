@@ -21,13 +21,24 @@ from app.theme import is_dark
 THUMB_HEIGHT = 64  # the context image in the with-context pane
 
 
-def token_html(text: str) -> str:
-    """A token's text as rich text that keeps every character visible and in place."""
+def token_html(text: str, breaks: bool = True) -> str:
+    """A token's text as rich text that keeps every character visible and in place; without
+    ``breaks``, a newline is only drawn (↵), for a token in a table cell."""
     if text == "":
         return '<span style="color:gray">∅</span>'
     out = html.escape(text, quote=False)
-    out = out.replace("\r", "␍").replace("\t", "→\t").replace("\n", "↵<br>")
+    out = out.replace("\r", "␍").replace("\t", "→\t").replace("\n", "↵<br>" if breaks else "↵")
     return out
+
+
+def cell_token(text: str) -> str:
+    """A token in a table cell: on one line, never wrapped inside ("annoye/d"), spaces kept."""
+    return f'<span style="white-space:pre">{token_html(text, breaks=False)}</span>'
+
+
+def plural(n: int, word: str) -> str:
+    """ "1 token", "2 tokens"."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 COLORS = {  # (light palette, dark palette)
@@ -58,6 +69,7 @@ class QtGenerationPanel(QWidget):
         self.patched = _Pane("<b>Without context, patched</b>")
         self.details = QTextBrowser()
         self.details.setMinimumHeight(120)
+        self.details.setLineWrapMode(QTextBrowser.LineWrapMode.NoWrap)  # tables scroll, not wrap
         self.details.setPlaceholderText("Hover or click a token to see both top-k lists.")
         panes = QSplitter()
         panes.addWidget(self.baseline)
@@ -68,6 +80,8 @@ class QtGenerationPanel(QWidget):
         outer.setStretchFactor(0, 1)
         outer.setStretchFactor(1, 1)
         self.splitter = outer
+        self._sized_by_user = False  # once the user moves the divider, it stays where they put it
+        outer.splitterMoved.connect(self._on_divider_moved)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(outer)
@@ -152,9 +166,9 @@ class QtGenerationPanel(QWidget):
         if steps:
             matches = sum(s.patched.match for s in steps)
             self.patched.title.setText(
-                f"<b>Without context, patched</b> — {matches}/{n} tokens match")
+                f"<b>Without context, patched</b> — {matches}/{plural(n, 'token')} match")
             self.baseline.title.setText(
-                f"<b>With context</b> (original model) — {n}/{total} tokens")
+                f"<b>With context</b> (original model) — {n}/{plural(total, 'token')}")
         else:
             self.baseline.title.setText("<b>With context</b> (original model)")
             self.patched.title.setText("<b>Without context, patched</b>")
@@ -165,6 +179,25 @@ class QtGenerationPanel(QWidget):
             self.details.setHtml("")
             return
         self.details.setHtml(step_details_html(self.state.steps[i]))
+        self._fit_details()
+
+    def _on_divider_moved(self, *_: Any) -> None:
+        self._sized_by_user = True
+
+    def _fit_details(self) -> None:
+        """Room for the whole detail (every top-k row) without scrolling, when the panes above
+        can give it (they keep at least a few lines), until the user moves the divider."""
+        if self._sized_by_user:
+            return
+        doc = self.details.document()
+        doc.adjustSize()
+        needed = int(doc.size().height()) + 2 * self.details.frameWidth() + 4
+        sizes = self.splitter.sizes()
+        total = sum(sizes)
+        if len(sizes) == 2 and total > 0 and sizes[1] < needed:
+            below = min(needed, total - 110)
+            if below > sizes[1]:
+                self.splitter.setSizes([total - below, below])
 
     def changeEvent(self, event: QEvent) -> None:  # noqa: N802 - Qt override
         if event.type() == QEvent.Type.PaletteChange:
@@ -183,8 +216,8 @@ def _topk_rows(s: Any) -> str:
         cells = []
         for tk in lists:
             if r < len(tk.ids):
-                cells.append(f"<td nowrap>{token_html(tk.texts[r])}</td>"
-                             f"<td align=right>{tk.probs[r]:.3f}</td>")
+                cells.append(f"<td nowrap>{cell_token(tk.texts[r])}</td>"
+                             f"<td align=right nowrap>{tk.probs[r]:.3f}</td>")
             else:
                 cells.append("<td></td><td></td>")
         rows.append("<tr>" + "".join(cells) + "</tr>")
@@ -196,15 +229,16 @@ def step_details_html(s: Any) -> str:
     mark = "match" if s.patched.match else "<b style='color:#d03030'>MISMATCH</b>"
     table = "<table cellspacing=0 cellpadding=3 border=1 style='border-collapse:collapse'>"
     metrics = (
-        table + "<tr><th></th><th>token</th><th>L∞ logit diff</th><th>TVD</th></tr>"
-        f"<tr><td>with context</td><td>{token_html(s.baseline_text)}</td><td>—</td><td>—</td></tr>"
-        f"<tr><td>patched</td><td>{token_html(s.patched.text)}</td>"
-        f"<td>{s.patched.linf:.3g}</td><td>{s.patched.tvd:.3g}</td></tr>"
-        f"<tr><td>control (unpatched)</td><td>{token_html(s.control.text)}</td>"
-        f"<td>{s.control.linf:.3g}</td><td>{s.control.tvd:.3g}</td></tr></table>"
+        table + "<tr><th></th><th>token</th><th nowrap>L∞ logit diff</th><th>TVD</th></tr>"
+        f"<tr><td nowrap>with context</td><td nowrap>{cell_token(s.baseline_text)}</td>"
+        "<td>—</td><td>—</td></tr>"
+        f"<tr><td nowrap>patched</td><td nowrap>{cell_token(s.patched.text)}</td>"
+        f"<td nowrap>{s.patched.linf:.3g}</td><td nowrap>{s.patched.tvd:.3g}</td></tr>"
+        f"<tr><td nowrap>control (unpatched)</td><td nowrap>{cell_token(s.control.text)}</td>"
+        f"<td nowrap>{s.control.linf:.3g}</td><td nowrap>{s.control.tvd:.3g}</td></tr></table>"
     )
     topk = (
-        table + "<tr><th colspan=2>with context</th><th colspan=2>patched</th>"
+        table + "<tr><th colspan=2 nowrap>with context</th><th colspan=2>patched</th>"
         "<th colspan=2>control</th></tr>" + _topk_rows(s) + "</table>"
     )
     return (

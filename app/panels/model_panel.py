@@ -161,7 +161,7 @@ class QtModelPanel(QGroupBox):
         from core.footprint import estimate
 
         fp = estimate(self.spec(), self.dtype.currentText())
-        self.footprint.setText(fp.describe() if fp else "unknown until loaded")
+        self.footprint.setText(footprint_text(fp) if fp else "unknown until loaded")
 
     def remember(self, spec: str, limit: int = 10) -> None:
         """Put a successfully loaded model first in the recent list."""
@@ -234,3 +234,26 @@ class QtModelPanel(QGroupBox):
         if data.get("allow_pickle"):
             self.pickle.setChecked(True)
         self._on_model_edited()
+
+
+def parameter_count(n: int) -> str:
+    """A parameter count to read at a glance: "0.3 M", "4.2 M", "135 M", "1.2 B"; a count under
+    ten thousand as it is ("3,200"), never "0 M"."""
+    if n < 10_000:
+        return f"{n:,}"
+    if n < 1e9:
+        m = n / 1e6
+        return f"{m:.2g} M" if m < 10 else f"{m:,.0f} M"
+    b = n / 1e9
+    return f"{b:.2g} B" if b < 10 else f"{b:,.0f} B"
+
+
+def footprint_text(fp: Any) -> str:
+    """The memory estimate (`core.footprint.Footprint`) with a parameter count that reads well
+    for small models too (0.3 M, not "0 M")."""
+    from core.footprint import _human
+
+    cache = fp.run_cache_bytes()
+    kv = f" + {_human(cache)} of KV caches per 1,000 tokens" if cache else ""
+    return (f"≈ {_human(fp.bytes)} in {fp.dtype} ({parameter_count(fp.parameters)} parameters)"
+            f"{kv}, plus activations")

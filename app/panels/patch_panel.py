@@ -10,19 +10,23 @@ from __future__ import annotations
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QEvent, QRectF
+from PySide6.QtCore import QEvent, QRectF, Qt
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
+from app.panels.plots_panel import TokenAxis
 from app.state import RunState
-from app.theme import style_graphics
+from app.theme import series_colors, style_graphics
 
 FLOOR = 1e-30
+HOVER_HINT = "Hover over the heatmap for a cell's layer, token, parameter and value."
 
 
 class QtPatchPanel(QWidget):
-    def __init__(self, state: RunState, parent: QWidget | None = None) -> None:
+    def __init__(self, state: RunState, parent: QWidget | None = None,
+                 point_size: float | None = None) -> None:
         super().__init__(parent)
         self.state = state
+        self.point_size = point_size
         self.param = QComboBox()
         self.param.setToolTip("Which patched parameter to show (names without the layer prefix)")
         self.scale = QComboBox()
@@ -34,8 +38,12 @@ class QtPatchPanel(QWidget):
         top.addWidget(self.param, 1)
         top.addWidget(QLabel("Norm"))
         top.addWidget(self.scale)
+        self.readout = QLabel(HOVER_HINT)  # the cell under the mouse, in words and numbers
+        self.readout.setTextFormat(Qt.TextFormat.PlainText)
+        self.readout.setMinimumWidth(10)  # long texts are cut, never widen the window
         self.graphics = pg.GraphicsLayoutWidget()
-        self.heat_plot = self.graphics.addPlot(row=0, col=0)
+        self.heat_plot = self.graphics.addPlot(row=0, col=0,
+                                               axisItems={"bottom": TokenAxis("bottom")})
         self.heat_plot.setLabel("bottom", "generated token")
         self.heat_plot.setLabel("left", "layer")
         self.image = pg.ImageItem(axisOrder="row-major")
@@ -46,7 +54,8 @@ class QtPatchPanel(QWidget):
         self.cursor = pg.InfiniteLine(angle=90, movable=False, pen=pg.mkPen((255, 80, 80), width=1))
         self.cursor.setVisible(False)
         self.heat_plot.addItem(self.cursor, ignoreBounds=True)
-        self.profile = self.graphics.addPlot(row=1, col=0)
+        self.profile = self.graphics.addPlot(row=1, col=0,
+                                             axisItems={"bottom": TokenAxis("bottom")})
         self.profile.setLabel("bottom", "layer")
         self.profile.getAxis("left").enableAutoSIPrefix(False)
         self.profile.setLabel("left", "log10 norm")  # drawn as log10 values: a log axis
@@ -59,17 +68,34 @@ class QtPatchPanel(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addLayout(top)
+        layout.addWidget(self.readout)
         layout.addWidget(self.graphics)
         self.param.currentTextChanged.connect(self._on_param)
         self.scale.currentIndexChanged.connect(self._on_scale)
         self.graphics.scene().sigMouseClicked.connect(self._on_click)
-        style_graphics(self.graphics, [self.heat_plot, self.profile], self.palette())
+        self._hover = pg.SignalProxy(self.graphics.scene().sigMouseMoved, rateLimit=30,
+                                     slot=self._on_heat_hover)
+        self._restyle()
         state.subscribe(self._on_state)
 
     def changeEvent(self, event: QEvent) -> None:  # noqa: N802 - Qt override
         if event.type() == QEvent.Type.PaletteChange:
-            style_graphics(self.graphics, [self.heat_plot, self.profile], self.palette())
+            self._restyle()
         super().changeEvent(event)
+
+    def set_point_size(self, point_size: float | None) -> None:
+        """Tick and label text in this size (the report's figures: 10 pt)."""
+        self.point_size = point_size
+        self._restyle()
+
+    def _restyle(self) -> None:
+        style_graphics(self.graphics, [self.heat_plot, self.profile], self.palette(),
+                       self.point_size)
+        colors = series_colors(self.palette())
+        self.profile_curve.setPen(pg.mkPen(colors["patched"], width=2))
+        self.profile_curve.setSymbolBrush(colors["patched"])
+        self.profile_curve.setSymbolPen(pg.mkPen(colors["patched"]))
+        self.cursor.setPen(pg.mkPen(colors["cursor"], width=1.5))
 
     def _on_param(self, text: str) -> None:
         if text and text != self.state.param:
@@ -83,6 +109,32 @@ class QtPatchPanel(QWidget):
         if self.heat_plot.sceneBoundingRect().contains(pos):
             x = self.heat_plot.vb.mapSceneToView(pos).x()
             self.state.select(int(round(x)) - 1)
+
+    def _on_heat_hover(self, args: tuple[object, ...]) -> None:
+        pos = args[0]
+        text = ""
+        if self.heat_plot.sceneBoundingRect().contains(pos):  # type: ignore[arg-type]
+            point = self.heat_plot.vb.mapSceneToView(pos)
+            text = self.cell_text(int(round(point.x())) - 1, int(round(point.y())))
+        self.readout.setText(text or HOVER_HINT)
+        self.graphics.setToolTip(text)  # also where the mouse rests
+
+    def cell_text(self, step: int, row: int) -> str:
+        """One heatmap cell in words: layer, token (number and text), parameter and value; ""
+        outside the cells."""
+        layers, steps = self.state.layers(), self.state.steps
+        if not (0 <= step < len(steps) and 0 <= row < len(layers)):
+            return ""
+        m = self.state.norm_matrix()
+        value = m[row, step] if m.shape == (len(layers), len(steps)) else np.nan
+        kind = "relative norm" if self.state.relative else "norm"
+        if np.isfinite(value):
+            number = f"{value:.3g}" + (f" (log10 {np.log10(value):.2f})" if value > 0 else "")
+        else:
+            number = "no patch"
+        token = steps[step].baseline_text.replace("\n", "↵")
+        return (f"layer {layers[row]} · token {step + 1} {token!r} · {self.state.param} · "
+                f"{kind} {number}")
 
     def _on_state(self, event: str) -> None:
         if event == "reset":
@@ -119,6 +171,8 @@ class QtPatchPanel(QWidget):
         self.image.setImage(logm, autoLevels=False)
         self.bar.setLevels((lo, hi))
         self.image.setRect(QRectF(0.5, -0.5, m.shape[1], m.shape[0]))
+        self.heat_plot.setXRange(0.5, m.shape[1] + 0.5, padding=0)  # the cells, edge to edge
+        self.heat_plot.setYRange(-0.5, m.shape[0] - 0.5, padding=0)
         every = max(1, -(-len(layers) // 10))
         self.heat_plot.getAxis("left").setTicks(
             [[(i, str(layer)) for i, layer in enumerate(layers) if i % every == 0]])

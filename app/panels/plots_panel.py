@@ -9,26 +9,93 @@ Items are created once and updated with ``setData`` (STYLE.md 21).
 from __future__ import annotations
 
 import html
+import math
+from typing import Any
 
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QEvent, Qt
+from PySide6.QtGui import QFontMetricsF
 from PySide6.QtWidgets import QCheckBox, QLabel, QVBoxLayout, QWidget
 
 from app.state import RunState
-from app.theme import style_graphics
+from app.theme import legend_style, series_colors, style_graphics
 
 #: log plots cannot show 0; exact zeros are drawn at this floor
 FLOOR = 1e-12
-PATCHED = (40, 110, 220)
-CONTROL = (120, 120, 120)
-MISMATCH = (220, 40, 40)
+#: the log plots' vertical margin beyond the outermost decades that hold data, in decades
+MARGIN = 0.25
+#: the empty log plots' range (decades) before any data
+EMPTY_DECADES = (-8, 0)
+TITLES = {"linf": "logit L∞ difference", "tvd": "TVD", "match": "token match"}
+LEGEND = {"patched": "patched (no context)", "control": "control (no context, unpatched)",
+          "mismatch": "mismatch"}
+
+
+def sci(value: float) -> str:
+    """The one tick format of the log axes: 1e-6, 3e-7, 1e0, 1e2 (values given as log10)."""
+    mantissa, exponent = f"{10.0 ** value:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+class DecadeAxis(pg.AxisItem):
+    """A log10 axis with a tick and a label at every decade (1e-6, 1e-5, ..., 1e0), all in one
+    format. Only when the decades are closer than a line of text is every 2nd (5th, ...) decade
+    labelled, the others still ticked; a range inside one decade falls back to 2e-6, 5e-6..."""
+
+    def tickValues(self, minVal: float, maxVal: float, size: float) -> list:  # noqa: N802,N803
+        lo, hi = sorted((minVal, maxVal))
+        first, last = math.ceil(lo - 1e-9), math.floor(hi + 1e-9)
+        if last < first:  # zoomed inside a decade
+            return [(1.0, [v for v in np.log10(np.arange(1, 10)) + math.floor(lo)
+                           if lo <= v <= hi])]
+        decades = [float(d) for d in range(first, last + 1)]
+        per_decade = size / max(hi - lo, 1e-9)  # pixels
+        line = QFontMetricsF(self.style["tickFont"] or self.font()).height()
+        # pyqtgraph's own crowding test counts 0.8 of a line: labels may nearly touch
+        step = next(k for k in (1, 2, 3, 5, 10, 20, 50, 100, 10**9)
+                    if k * per_decade >= 0.8 * line)
+        if step == 1:
+            return [(1.0, decades)]
+        return [(float(step), [d for d in decades if int(d) % step == 0]),
+                (1.0, [d for d in decades if int(d) % step])]
+
+    def tickStrings(self, values: list[float], scale: float, spacing: float) -> list[str]:  # noqa: N802
+        return [sci(v) for v in values]
+
+
+class TokenAxis(pg.AxisItem):
+    """The generated-token axis: integer ticks only (1, 2, 3 or 5, 10, 15...), never 1.5."""
+
+    def tickSpacing(self, minVal: float, maxVal: float, size: float) -> list:  # noqa: N802,N803
+        levels = [(max(1.0, float(round(spacing))), 0.0)
+                  for spacing, _ in super().tickSpacing(minVal, maxVal, size)
+                  if spacing >= 1 and float(spacing).is_integer()]
+        unique = list(dict.fromkeys(levels))
+        return unique or [(1.0, 0.0)]
+
+    def tickStrings(self, values: list[float], scale: float, spacing: float) -> list[str]:  # noqa: N802
+        return [str(int(round(v))) for v in values]
+
+
+def shown_ticks(axis: pg.AxisItem) -> list[str]:
+    """The labels an axis draws at its current range and size, first level (always drawn)
+    first; for tests and for looking (what `generateDrawSpecs` would write)."""
+    lo, hi = axis.range
+    length = axis.height() if axis.orientation in ("left", "right") else axis.width()
+    levels = axis.tickValues(lo, hi, length)
+    labels: list[str] = []
+    for spacing, values in levels[:1]:
+        labels += axis.tickStrings([v for v in values if lo <= v <= hi], 1.0, spacing)
+    return labels
 
 
 class QtPlotsPanel(QWidget):
-    def __init__(self, state: RunState, parent: QWidget | None = None) -> None:
+    def __init__(self, state: RunState, parent: QWidget | None = None,
+                 point_size: float | None = None) -> None:
         super().__init__(parent)
         self.state = state
+        self.point_size = point_size  # None: the application's font (the report asks for 10 pt)
         self.graphics = pg.GraphicsLayoutWidget()
         self.overlay = QCheckBox("Overlay the other runs of the history")
         self.overlay.setToolTip("Compare runs: every other run's patched curves on the same axes "
@@ -42,49 +109,105 @@ class QtPlotsPanel(QWidget):
         layout.addWidget(self.comparison)
         layout.addWidget(self.graphics)
         self._overlay_items: list[tuple[pg.PlotItem, pg.PlotDataItem]] = []
+        self._overlay_series: list[dict[str, np.ndarray]] = []
         self.plots: dict[str, pg.PlotItem] = {}
         self.curves: dict[tuple[str, str], pg.PlotDataItem] = {}
         self.marks: dict[str, pg.PlotDataItem] = {}
         self.cursors: dict[str, pg.InfiniteLine] = {}
-        titles = {"linf": "logit L∞ difference", "tvd": "TVD", "match": "token match"}
-        for row, metric in enumerate(("linf", "tvd", "match")):
-            plot = self.graphics.addPlot(row=row, col=0)
-            plot.setLabel("left", titles[metric])
-            plot.showGrid(x=True, y=True, alpha=0.2)
+        # the legend has a row of its own above the plots: it never covers a point
+        self.legend_row = self.graphics.addLayout(row=0, col=0)
+        self.legend_row.setContentsMargins(0, 0, 0, 0)
+        self.legend = pg.LegendItem(colCount=4, horSpacing=18, verSpacing=-6)
+        self.legend.layout.setContentsMargins(6, 0, 6, 0)
+        # pyqtgraph's legends float over a zoomable view and ignore transformations; this one is
+        # laid out like the plots, and must scale with them (an exported figure is drawn larger)
+        self.legend.setFlag(self.legend.GraphicsItemFlag.ItemIgnoresTransformations, False)
+        self.legend_row.addItem(self.legend, row=0, col=0)
+        for row, metric in enumerate(("linf", "tvd", "match"), start=1):
+            axes = {"bottom": TokenAxis("bottom")}
+            if metric != "match":
+                axes["left"] = DecadeAxis("left")
+            plot = self.graphics.addPlot(row=row, col=0, axisItems=axes)
+            plot.setLabel("left", TITLES[metric])
+            plot.showGrid(x=True, y=True, alpha=0.25)
+            plot.setMenuEnabled(False)  # no log/FFT menu that would undo the axes above
             if metric != "match":
                 plot.setLogMode(x=False, y=True)
+                plot.getAxis("left").setStyle(hideOverlappingLabels=True)  # never on a neighbour
+                plot.getAxis("bottom").setStyle(showValues=False)  # the token plot has them
             else:
-                plot.setYRange(-0.1, 1.1)
                 plot.getAxis("left").setTicks([[(0, "no"), (1, "yes")]])
                 plot.setLabel("bottom", "generated token")
-            if metric == "match":  # the space between "no" and "yes" is free for the legend
-                plot.addLegend(offset=(-10, 18))
+            lines = metric != "match"  # token match is yes/no: markers, no zigzag lines
             self.curves[(metric, "patched")] = plot.plot(
-                [], [], pen=pg.mkPen(PATCHED, width=2), symbol="o", symbolSize=5,
-                symbolBrush=PATCHED, name="patched (no context)")
+                [], [], symbol="o", symbolSize=6 if lines else 8, name=LEGEND["patched"])
             self.curves[(metric, "control")] = plot.plot(
-                [], [], pen=pg.mkPen(CONTROL, width=1.5, style=Qt.PenStyle.DashLine),
-                name="control (no context, unpatched)")
-            self.marks[metric] = plot.plot(
-                [], [], pen=None, symbol="x", symbolSize=12,
-                symbolPen=pg.mkPen(MISMATCH, width=2), symbolBrush=None, name="mismatch")
-            cursor = pg.InfiniteLine(angle=90, movable=False, pen=pg.mkPen((200, 160, 0), width=1))
+                [], [], symbol="s", symbolSize=5 if lines else 11, name=LEGEND["control"])
+            self.marks[metric] = plot.plot([], [], pen=None, symbol="x", symbolSize=12,
+                                           symbolBrush=None, name=LEGEND["mismatch"])
+            cursor = pg.InfiniteLine(angle=90, movable=False)
             cursor.setVisible(False)
             plot.addItem(cursor, ignoreBounds=True)
             self.cursors[metric] = cursor
-            if row:
+            if row > 1:
                 plot.setXLink(self.plots["linf"])
             self.plots[metric] = plot
+        for row, stretch in ((1, 3), (2, 3), (3, 2)):  # yes/no needs less height than decades
+            self.graphics.ci.layout.setRowStretchFactor(row, stretch)
+        for metric in ("linf", "tvd"):  # the room for the edge labels changes with the size
+            self.plots[metric].vb.sigResized.connect(lambda *_: self._fit())
+        for key in ("patched", "control"):
+            self.legend.addItem(self.curves[("linf", key)], LEGEND[key])
+        self.legend.addItem(self.marks["linf"], LEGEND["mismatch"])
         self.graphics.scene().sigMouseClicked.connect(self._on_click)
         # the cursor follows the mouse over the plots, at most 30 updates a second
         self._hover = pg.SignalProxy(self.graphics.scene().sigMouseMoved, rateLimit=30,
                                      slot=self._on_hover)
-        style_graphics(self.graphics, list(self.plots.values()), self.palette())
+        self._restyle()
+        self._fit()
         state.subscribe(self._on_state)
+
+    def set_point_size(self, point_size: float | None) -> None:
+        """Tick, label and legend text in this size (the report's figures: 10 pt)."""
+        self.point_size = point_size
+        self._restyle()
+
+    def _restyle(self) -> None:
+        """Colours and fonts from the palette: Okabe-Ito colours that read on it."""
+        palette = self.palette()
+        style_graphics(self.graphics, list(self.plots.values()), palette, self.point_size)
+        legend_style(self.legend, palette, self.point_size)
+        colors = series_colors(palette)
+        self._colors = colors
+        for metric in self.plots:
+            lines = metric != "match"
+            patched, control = colors["patched"], colors["control"]
+            self.curves[(metric, "patched")].setPen(pg.mkPen(patched, width=2) if lines else None)
+            self.curves[(metric, "patched")].setSymbolBrush(patched)
+            self.curves[(metric, "patched")].setSymbolPen(pg.mkPen(patched))
+            self.curves[(metric, "control")].setPen(
+                pg.mkPen(control, width=2, style=Qt.PenStyle.DashLine) if lines else None)
+            self.curves[(metric, "control")].setSymbolBrush(control if lines else None)
+            self.curves[(metric, "control")].setSymbolPen(pg.mkPen(control, width=1.5))
+            self.marks[metric].setSymbolPen(pg.mkPen(colors["mismatch"], width=2.5))
+            self.cursors[metric].setPen(pg.mkPen(colors["cursor"], width=1.5))
+        for k, (_, item) in enumerate(self._overlay_items):
+            item.setPen(self._overlay_pen(item.opts.get("overlay_index", k)))
+        self._align_axes()
+        self.legend.updateSize()
+        self.legend_row.layout.setRowFixedHeight(0, self.legend.height() + 4)
+
+    def _align_axes(self) -> None:
+        """One width for the three left axes, so the x-linked plots line up."""
+        axis = self.plots["linf"].getAxis("left")
+        metrics = QFontMetricsF(axis.style["tickFont"] or axis.font())
+        width = metrics.horizontalAdvance("1e-12") + metrics.height() * 1.6 + 14
+        for plot in self.plots.values():
+            plot.getAxis("left").setWidth(int(width))
 
     def changeEvent(self, event: QEvent) -> None:  # noqa: N802 - Qt override
         if event.type() == QEvent.Type.PaletteChange:
-            style_graphics(self.graphics, list(self.plots.values()), self.palette())
+            self._restyle()
         super().changeEvent(event)
 
     def _on_click(self, event: object) -> None:
@@ -121,6 +244,41 @@ class QtPlotsPanel(QWidget):
             if metric != "match":
                 y = np.maximum(y, FLOOR)
             self.marks[metric].setData(bad + 1.0, y[bad] if len(bad) else np.array([]))
+        self._fit()
+
+    def _fit(self) -> None:
+        """Every series inside its axes with a margin: x from half a token before the first to
+        half a token after the last (while running, up to the tokens asked for), y from the
+        decade below the smallest value to the decade above the largest, plus `MARGIN`."""
+        n = len(self.state.steps)
+        if self.state.running or not n:
+            n = max(n, self.state.max_tokens or 10)
+        n = max([n, 1] + [len(s["match"]) for s in self._overlay_series])
+        self.plots["linf"].setXRange(0.5, n + 0.5, padding=0)  # the others are linked
+        for metric in ("linf", "tvd"):
+            values = [self.state.series(side, metric) for side in ("patched", "control")]
+            values += [s[metric] for s in self._overlay_series if metric in s]
+            y = np.concatenate(values) if values else np.array([])
+            y = np.maximum(y[np.isfinite(y)], FLOOR)
+            if y.size:
+                lo, hi = math.floor(np.log10(y.min())), math.ceil(np.log10(y.max()))
+                hi = max(hi, lo + 1)
+            else:
+                lo, hi = EMPTY_DECADES
+            self._set_log_range(self.plots[metric], lo, hi)
+        self.plots["match"].setYRange(-0.3, 1.3, padding=0)
+
+    @staticmethod
+    def _set_log_range(plot: pg.PlotItem, lo: int, hi: int) -> None:
+        """Decades lo..hi, with room beyond them for half a label (labels that would cross the
+        plot's edge are not drawn: see `DecadeAxis`) and at least `MARGIN` of a decade."""
+        axis = plot.getAxis("left")
+        line = QFontMetricsF(axis.style["tickFont"] or axis.font()).height()
+        height, margin = plot.vb.height(), MARGIN
+        edge = 0.6 * line + 2  # pixels from the outermost decade to the edge
+        if height > 4 * edge:
+            margin = max(MARGIN, edge * (hi - lo) / (height - 2 * edge))
+        plot.setYRange(lo - margin, hi + margin, padding=0)
 
     def _update_cursor(self) -> None:
         i = self.state.selected
@@ -129,32 +287,42 @@ class QtPlotsPanel(QWidget):
             if i is not None:
                 cursor.setValue(i + 1)
 
+    def _overlay_pen(self, k: int) -> Any:
+        colors = self._colors["overlays"]
+        return pg.mkPen(colors[k % len(colors)], width=2, style=Qt.PenStyle.DotLine)
+
     def set_overlays(self, runs: list[tuple[str, dict[str, np.ndarray]]],
                      shown_label: str = "this run") -> None:
         """Draw other runs' patched curves: (label, {"linf"|"tvd"|"match": per-step values}),
-        and a Figure-4-style line per run: token match, median and max TVD, max logit L∞."""
+        and a Figure-4-style line per run: token match, median and max TVD, max logit L∞.
+        They are named in the legend above the plots."""
         self._set_comparison(runs, shown_label)
+        named = {id(item) for _, item in self._overlay_items}
         for plot, item in self._overlay_items:
             plot.removeItem(item)
-            if plot.legend is not None:
-                plot.legend.removeItem(item)
-        if self.plots["tvd"].legend is not None and not runs:
-            self.plots["tvd"].legend.clear()
+        for sample, _ in list(self.legend.items):
+            if id(sample.item) in named:
+                self.legend.removeItem(sample.item)
         self._overlay_items = []
-        tvd = self.plots["tvd"]
-        if runs and tvd.legend is None:  # the overlays are named in the TVD plot's own legend
-            tvd.addLegend(offset=(-10, 5))
+        self._overlay_series = [series for _, series in runs]
         for k, (label, series) in enumerate(runs):
-            colour = pg.intColor(k, hues=max(len(runs), 3), values=1, maxValue=200)
+            pen = self._overlay_pen(k)
             for metric, values in series.items():
                 y = np.maximum(values, FLOOR) if metric != "match" else values
-                item = pg.PlotDataItem(np.arange(1, len(values) + 1, dtype=float), y,
-                                       pen=pg.mkPen(colour, width=1.5,
-                                                    style=Qt.PenStyle.DotLine))
+                x = np.arange(1, len(values) + 1, dtype=float)
+                if metric == "match":  # yes/no: markers, as for this run
+                    item = pg.PlotDataItem(x, y, pen=None, symbol="t", symbolSize=7,
+                                           symbolBrush=None, symbolPen=pen)
+                else:
+                    item = pg.PlotDataItem(x, y, pen=pen)
+                item.opts["overlay_index"] = k
                 self.plots[metric].addItem(item)
-                if metric == "tvd":
-                    tvd.legend.addItem(item, label)
+                if metric == "linf":
+                    self.legend.addItem(item, html.escape(label))
                 self._overlay_items.append((self.plots[metric], item))
+        self.legend.updateSize()
+        self.legend_row.layout.setRowFixedHeight(0, self.legend.height() + 4)
+        self._fit()
 
     def _set_comparison(self, runs: list[tuple[str, dict[str, np.ndarray]]],
                         shown_label: str) -> None:

@@ -72,3 +72,60 @@ def test_a_run_without_the_control_reports_it_empty(qtbot: Any, tiny_model_dir: 
     rows = re.findall(r"<tr><td>token match</td><td>([^<]*)</td><td>([^<]*)</td></tr>",
                       (tmp_path / "r.html").read_text())
     assert rows == [("3/3", "?/3")] or rows[0][1] in ("—", "?/3"), rows
+
+
+def test_settings_are_a_readable_table_and_pages_keep_headings_with_what_follows(
+        qtbot: Any, tiny_model_dir: str, tmp_path: Path) -> None:
+    from PySide6.QtCore import QSizeF
+
+    from app.report import (
+        FIGURE_PT,
+        PLOT_SIZE,
+        heading_pages,
+        keep_with_next,
+        plot_images,
+        report_document,
+    )
+    from core.records import run_from_record
+
+    record = _compare(tiny_model_dir, tmp_path, "r.html", "--max-new-tokens", "1")
+    text = (tmp_path / "r.html").read_text()
+    settings = text.split("<h2>Settings</h2>", 1)[1].split("<h2>", 1)[0]
+    assert "<th>setting</th><th>value</th><th>meaning</th>" in settings
+    assert "<td>Absorbed tokens</td>" in settings and "<td>Method</td>" in settings
+    assert "True" not in settings and "None" not in settings and "[]" not in settings
+    assert "Generations (1 token;" in text  # not "1 tokens"
+    # the break rules for browsers, and figures at the size they are shown
+    assert "h1, h2, h3 { page-break-after: avoid; break-after: avoid; }" in text
+    assert "div.figure { page-break-inside: avoid; break-inside: avoid;" in text
+    assert f'width="{PLOT_SIZE[0]}"' in text and FIGURE_PT >= 10
+    # the PDF's layout (Qt knows no keep-with-next): on a short page, some heading would end
+    # a page without what follows it; after keep_with_next none does
+    run = run_from_record(record)
+    images = plot_images(run)
+    doc = report_document(run, images)
+    doc.setPageSize(QSizeF(679, 640))  # a short page: more page feet
+    before = heading_pages(doc)
+    assert any(page != follows for _, page, follows in before), before
+    assert keep_with_next(doc) > 0
+    after = heading_pages(doc)
+    assert all(page == follows for _, page, follows in after), after
+
+
+def test_figures_are_drawn_at_their_shown_size(qtbot: Any, tiny_model_dir: str,
+                                               tmp_path: Path) -> None:
+    from PySide6.QtGui import QImage
+
+    from app.report import PLOT_SIZE, PNG_SCALE, plot_images
+    from core.records import run_from_record
+
+    record = _compare(tiny_model_dir, tmp_path, "r.html")
+    png, _ = plot_images(run_from_record(record))["per-token"]
+    image = QImage.fromData(png, "PNG")
+    assert image.width() == round(PLOT_SIZE[0] * PNG_SCALE)
+    from app import report
+
+    plots = report._EXPORT[1]
+    font = plots.plots["linf"].getAxis("left").style["tickFont"]
+    assert font is not None and font.pointSizeF() >= 10
+    assert plots.legend.opts["labelTextSize"] == "10pt"
