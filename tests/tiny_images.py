@@ -219,3 +219,18 @@ def save_family_folder(folder: Path, kind: str, layers: int = 3, seed: int = 0) 
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
     return folder
+
+
+#: every image+text family with a tiny model: the first ones (`tiny.save_tiny_image_folder`)
+#: and issue 18's (`FAMILIES`)
+ALL_FAMILIES: tuple[str, ...] = ("gemma3", "llava", "llava_next", "idefics3", *FAMILIES)
+
+
+def save_any_image_folder(folder: Path, kind: str, seed: int = 0) -> Path:
+    """A tiny model folder of any family in `ALL_FAMILIES` (the first four saved in float32, the
+    others in float64; load them in the dtype a test needs)."""
+    if kind in FAMILIES:
+        return save_family_folder(folder, kind, seed=seed)
+    from tiny import save_tiny_image_folder
+
+    return Path(save_tiny_image_folder(folder, kind, seed=seed))

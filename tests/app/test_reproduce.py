@@ -6,6 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+from tiny_images import ALL_FAMILIES
+
 from app.cli import main
 
 
@@ -68,3 +71,31 @@ def test_reproduce_image_run_needs_an_image_text_model(tiny_model_dir: str, tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "reads text only" in err[0]
     assert not (tmp_path / "runs").exists()  # refused before any run
+
+
+@pytest.mark.parametrize("kind", ALL_FAMILIES)
+def test_reproduce_image_runs_for_each_family(qtbot: Any, kind: str, tmp_path: Path,
+                                              capsys: Any) -> None:
+    """``ctxpatch reproduce --image`` on each image+text family's tiny model, in float64: both
+    image runs are saved, exact (the patched run equals the run with the picture within 1e-6 of
+    the logit scale), and in the report's Figure 5 and its table of every run."""
+    from tiny_images import save_any_image_folder
+
+    model = str(save_any_image_folder(tmp_path / "model", kind))
+    out = tmp_path / "out"
+    assert main(["reproduce", "--model", model, "--out", str(out), "--prompts", "1",
+                 "--max-new-tokens", "2", "--dtypes", "float64", "--sweep", "0", "--image"]) == 0
+    names = [f"image-float64-{m}" for m in ("direct", "stable")]
+    assert sorted(p.stem for p in (out / "runs").glob("image-*.json")) == names
+    for name in names:
+        record = json.loads((out / "runs" / f"{name}.json").read_text())
+        assert record["prompt"]["image"]["path"].endswith("sample.png")
+        assert record["summary"]["patched"]["matches"] == 2, (kind, name)
+        for s in record["steps"]:
+            assert s["match"] and s["linf"] <= 1e-6 * s["logit_scale"], (kind, name, s["linf"])
+    err = capsys.readouterr().err
+    assert all(f"{name}: match 2/2" in err for name in names), err
+    report = (out / "report.html").read_text()
+    assert "Figure 5: a picture in the context" in report
+    assert all(f"<td>{name}</td>" in report for name in names)
+    assert (out / "plots" / "figure5.png").is_file()

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from PySide6.QtCore import QMimeData, QPointF, Qt, QUrl
 from PySide6.QtGui import QDropEvent
+from tiny_images import ALL_FAMILIES
 from windows import open_window, run_to_end
 
 from app.main_window import MainWindow
@@ -107,3 +108,64 @@ def test_an_image_run_reopens_from_a_session(qtbot: Any, keep: Any, settings: An
     recorded = w.current_record()["prompt"]["image"]["sha256"]
     assert other.state.started.prompt.image.sha256 == recorded
     assert "<img" in other.generation.baseline.view.toHtml()
+
+
+# -- every image+text family (issue 18) ------------------------------------------------------
+EXACT = 1e-6  # of the logit scale, in float64
+
+
+@pytest.fixture(scope="module", params=ALL_FAMILIES)
+def family_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+               ) -> tuple[str, str]:
+    from tiny_images import save_any_image_folder
+
+    kind = request.param
+    return kind, str(save_any_image_folder(tmp_path_factory.mktemp(f"tiny-{kind}-window"), kind))
+
+
+def _image_token_texts(w: MainWindow) -> set[str]:
+    """The texts of the image segment's own marks (special or added tokens: ``<image>``,
+    ``[IMG_BREAK]``, ``<row_1_col_1>``, ...), which the prompt view must not spell out."""
+    prompt = w.state.started.prompt
+    tok = w.model.handle.tokenizer
+    added = set(tok.get_added_vocab())
+    plain = {tok.bos_token, tok.eos_token, tok.pad_token}
+    ids = {i for seg in prompt.segments if seg.kind == "image" for i in seg.ids}
+    return {t for t in tok.convert_ids_to_tokens(sorted(ids)) if t in added and t not in plain}
+
+
+def test_dropping_a_picture_runs_on_each_family(qtbot: Any, keep: Any, settings: Any,
+                                                family_dir: tuple[str, str]) -> None:
+    """Drop the sample picture on the window of each family's tiny model and run in float64:
+    the patched text-only run equals the run with the picture; the prompt view shows the
+    picture's tokens as one labelled block (a thumbnail and its name), never spelled out."""
+    kind, model = family_dir
+    w = _window(keep, settings, model)
+    w.model_panel.dtype.setCurrentText("float64")
+    _drop(w, sample_image_path())
+    assert w.input_panel.image_path == sample_image_path()
+    assert _run(qtbot, w) == "completed", (kind, w.last_error)
+    assert w.model.info["dtype"] == "float64"
+    steps = w.state.steps
+    assert len(steps) == N
+    for s in steps:
+        assert s.patched.match, (kind, s.step)
+        assert s.patched.linf <= EXACT * s.logit_scale, (kind, s.step, s.patched.linf)
+    prompt = w.state.started.prompt
+    kinds = [seg.kind for seg in prompt.segments]
+    assert kinds.count("image") == 1, kinds  # the picture's tokens: one segment
+    image = next(seg for seg in prompt.segments if seg.kind == "image")
+    config = w.model.handle.model.config
+    token = getattr(config, "image_token_id", None)
+    token = config.image_token_index if token is None else token
+    assert token in image.ids and not [seg for seg in prompt.segments
+                                       if seg.kind != "image" and token in seg.ids]
+    baseline, patched = w.generation.pane_texts()
+    assert baseline.count("[image: sample.png]") == 1, baseline  # one labelled block
+    assert "[image:" not in patched
+    html = w.generation.baseline.view.toHtml()
+    assert html.count("<img") == 1 and "<img" not in w.generation.patched.view.toHtml()
+    marks = _image_token_texts(w)
+    assert marks, kind  # (each family's picture has marks of its own)
+    shown = baseline.split("Hello world!")[0]  # the prompt before the query, as drawn
+    assert not [m for m in marks if m in shown], (kind, marks, shown)
