@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -261,12 +260,11 @@ def _settings(args: argparse.Namespace, **overrides: Any) -> Any:
     return settings
 
 
-def run_compare(args: argparse.Namespace) -> int:
-    from core.compare import iter_token_patches, parse_layers, summarize
-    from core.export import run_record, save_patches, steps_csv, write_json, write_text
-    from core.prompt import build_prompt
+def check_request(args: argparse.Namespace) -> Any:
+    """Every check of a comparison's options that needs no model, in the order the command
+    line makes them; returns ``(settings, picture)``. The Python API calls it too."""
+    from core.compare import parse_layers
 
-    say = _Progress(args.quiet)
     picture = _read_image(args.image)
     settings = _settings(args, keep_patches=args.save_patches is not None or args.verify)
     if args.absorb == "context" and not args.query.strip():
@@ -276,37 +274,47 @@ def run_compare(args: argparse.Namespace) -> int:
         raise UserError("the context is empty: with absorb 'context' there is nothing to absorb "
                         "(give --context, or use --absorb all)")
     parse_layers(args.layers, None)  # syntax now; the range once the model is known
+    placement(args)
+    return settings, picture
+
+
+def run_extra(args: argparse.Namespace, device: str) -> dict[str, Any]:
+    """The record's settings beyond `Settings` (DESIGN.md "Run JSON")."""
+    return {"model": args.model, "dtype": args.dtype, "device": device,
+            "context": args.context, "query": args.query, "chat_template": args.chat_template,
+            "image": args.image}
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from core.compare import summarize
+    from core.controllability import conditioning_line, outcome, summary_lines
+    from core.export import save_patches, steps_csv, write_json, write_text
+    from core.prompt import build_prompt
+    from core.runs import run_comparison
+
+    say = _Progress(args.quiet)
+    settings, picture = check_request(args)
     check_outputs({"--json": args.json, "--csv": args.csv, "--save-patches": args.save_patches,
                    "--report": args.report}, _inputs(args), text=("--json", "--csv"))
     check_report(args.report)
     loaded = _load(args, args.dtype, say)
     prompt = build_prompt(loaded.tokenizer, args.context, args.query, args.chat_template,
                           image=picture, processor=loaded.processor)
-    from core.controllability import (
-        conditioning_line,
-        outcome,
-        plan,
-        record_section,
-        summary_lines,
-    )
+    from core.controllability import plan
 
     plans = plan(loaded, settings)
     for line in summary_lines(plans):
         say(line)
-    steps = []
-    start = time.perf_counter()
-    for s in iter_token_patches(loaded, prompt, settings):
-        steps.append(s)
+
+    def progress(s: Any) -> None:
         say(f"token {s.step + 1}/{settings.max_new_tokens}: {s.baseline_text!r} "
             f"{'match' if s.patched.match else 'MISMATCH ' + repr(s.patched.text)} "
             f"linf={s.patched.linf:.3g} control linf={s.control.linf:.3g}")
-    elapsed = time.perf_counter() - start
-    extra = {"model": args.model, "dtype": args.dtype, "device": str(loaded.device),
-             "context": args.context, "query": args.query, "chat_template": args.chat_template,
-             "image": args.image}
-    record = run_record(loaded.describe(), prompt, settings, steps, extra)
-    record["summary"]["seconds"]["wall"] = elapsed
-    record["controllability"] = record_section(plans, steps)
+
+    run = run_comparison(loaded, prompt, settings, run_extra(args, str(loaded.device)), progress,
+                         plans=plans)
+    steps, record = run.steps, run.record
+    elapsed = record["summary"]["seconds"]["wall"]
     say(summary_lines(plans, outcome(steps, plans))[-1])
     say(conditioning_line(record["summary"]["conditioning"]))
     if args.verify:
@@ -395,40 +403,6 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tolerance(dtype: str, given: float | None = None) -> float:
-    if given is not None:
-        import math
-
-        if not math.isfinite(given) or given <= 0:
-            raise UserError(f"--tolerance {given}: give a positive number, e.g. 1e-3 (relative "
-                            "to the logit scale)")
-        return given
-    return {"float64": 1e-3, "float32": 1e-2}.get(dtype, float("inf"))
-
-
-def _verdict(checks: Sequence[Any], tol: float) -> tuple[bool, int, float]:
-    """(every token matches and the worst L-inf is within tol of the logit scale, matches,
-    worst L-inf relative to the logit scale). A NaN anywhere is the worst (never verified);
-    no checks at all is not verified either."""
-    import math
-
-    ratios = [c.linf / max(c.scale, 1e-30) for c in checks]
-    worst = max(ratios, default=0.0)
-    if any(math.isnan(r) for r in ratios):
-        worst = math.nan
-    matches = sum(c.match for c in checks)
-    ok = bool(checks) and matches == len(checks) and not math.isnan(worst) and worst <= tol
-    return ok, matches, worst
-
-
-def _max_linf(checks: Sequence[Any]) -> float:
-    """The largest L-inf of the checks, NaN when any is NaN (``max`` alone would drop it)."""
-    import math
-
-    values = [c.linf for c in checks]
-    return math.nan if any(math.isnan(v) for v in values) else max(values, default=0.0)
-
-
 def _read_image(path: str | None) -> Any:
     """The decoded picture and its record, read before the model loads (a bad file fails fast)."""
     if path is None:
@@ -440,25 +414,26 @@ def _read_image(path: str | None) -> Any:
 
 def _verify_run(loaded: Any, steps: list[Any], settings: Any, dtype: str, say: _Progress,
                 pixels: dict[str, Any] | None = None) -> dict[str, Any]:
+    from core.runs import default_tolerance, verdict
     from core.verify import patches_of_steps, verify_patches
 
     checks = verify_patches(loaded, patches_of_steps(steps, settings.scope),
                             progress=lambda d, t: say("checking step", d, t), pixels=pixels)
-    tol = _tolerance(dtype)
-    ok, matches, worst = _verdict(checks, tol)
-    say(f"{'verified' if ok else 'verification FAILED'}: {matches}/{len(checks)} tokens match "
-        f"with the patches written into the weights, max L-inf {worst:.3g} of the logit scale")
-    return {"ok": ok, "matches": matches, "steps": len(checks), "worst_relative_linf": worst,
-            "tolerance": tol if tol != float("inf") else None}
+    result = verdict(checks, default_tolerance(dtype))
+    say(f"{'verified' if result.ok else 'verification FAILED'}: {result.matches}/{result.steps} "
+        f"tokens match with the patches written into the weights, max L-inf {result.worst:.3g} "
+        "of the logit scale")
+    return result.to_dict()
 
 
 def run_verify(args: argparse.Namespace) -> int:
     from core.controllability import conditioning_line
+    from core.runs import default_tolerance, verdict
     from core.verify import image_pixels, read_patches, recorded_image, verify_patches
 
     say = _Progress(False)
     check_outputs({"--json": args.json}, _inputs(args, args.patches), text=("--json",))
-    _tolerance("float64", args.tolerance)  # a bad --tolerance fails before any work
+    default_tolerance("float64", args.tolerance)  # a bad --tolerance fails before any work
     pf = read_patches(args.patches)
     dtype = args.dtype or pf.metadata.get("dtype", "float32")
     if args.model is None:
@@ -469,25 +444,21 @@ def run_verify(args: argparse.Namespace) -> int:
     say(conditioning_line(pf.conditioning))
     checks = verify_patches(loaded, pf, progress=lambda d, t: say("checking step", d, t),
                             pixels=pixels)
-    tol = _tolerance(dtype, args.tolerance)
-    ok, matches, worst = _verdict(checks, tol)
+    result = verdict(checks, default_tolerance(dtype, args.tolerance))
     if args.json:
         import json
         from dataclasses import asdict
 
         from core.export import write_json
 
-        result = {"ok": ok, "tolerance": tol if tol != float("inf") else None,
-                  "conditioning": pf.conditioning, "steps": [asdict(c) for c in checks]}
+        data = {"ok": result.ok, "tolerance": result.to_dict()["tolerance"],
+                "conditioning": pf.conditioning, "steps": [asdict(c) for c in checks]}
         if args.json == STDOUT:
-            print(json.dumps(result, indent=1))
+            print(json.dumps(data, indent=1))
         else:
-            write_json(args.json, result)
-    print(f"{'verified' if ok else 'verification FAILED'}: {matches}/{len(checks)} tokens match, "
-          f"max L-inf {_max_linf(checks):.3g} "
-          f"({worst:.3g} of the logit scale; tolerance {tol:g})",
-          file=sys.stderr if args.json == STDOUT else sys.stdout)
-    return 0 if ok else 1
+            write_json(args.json, data)
+    print(result.line(), file=sys.stderr if args.json == STDOUT else sys.stdout)
+    return 0 if result.ok else 1
 
 
 def _open_window(args: argparse.Namespace) -> int:

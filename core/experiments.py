@@ -70,9 +70,8 @@ def run_grid(model: str, out: Path, jobs: Sequence[Job], tokens: int, device: st
     context of a chat-template prompt (the model's processor makes its tokens)."""
     from transformers.utils import logging as hf_logging
 
-    from core.compare import Settings, iter_token_patches
-    from core.controllability import plan, record_section
-    from core.export import run_record, write_json
+    from core.compare import Settings
+    from core.export import write_json
     from core.loading import load_model
     from core.prompt import build_prompt
 
@@ -108,14 +107,16 @@ def run_grid(model: str, out: Path, jobs: Sequence[Job], tokens: int, device: st
         else:
             query = PAPER_PROMPTS[job.prompt]
             prompt = build_prompt(loaded.tokenizer, "", query)
-        steps = list(iter_token_patches(loaded, prompt, settings, should_stop))
-        if len(steps) < tokens:
+        from core.runs import run_comparison
+
+        run = run_comparison(loaded, prompt, settings,
+                             {"model": model, "dtype": job.dtype, "context": "", "query": query,
+                              "prompt_index": job.prompt + 1,
+                              "image": image if job.prompt < 0 else None},
+                             should_stop=should_stop)
+        if len(run.steps) < tokens:
             raise KeyboardInterrupt  # stopped: keep what is saved, redo this run next time
-        record = run_record(loaded.describe(), prompt, settings, steps,
-                            {"model": model, "dtype": job.dtype, "context": "",
-                             "query": query, "prompt_index": job.prompt + 1,
-                             "image": image if job.prompt < 0 else None})
-        record["controllability"] = record_section(plan(loaded, settings), steps)
+        record = run.record
         record["max_abs_scale_patch"] = max_scale_patch(record)
         write_json(path, record)
         records[job.name] = record
