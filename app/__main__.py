@@ -1,3 +1,3 @@
-from app.cli import main
+from ctxpatch.app.cli import main
 
 raise SystemExit(main())

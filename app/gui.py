@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -45,12 +46,98 @@ def _excepthook(exc_type: Any, exc: BaseException, tb: Any) -> None:
 
     from PySide6.QtWidgets import QApplication
 
-    from app.main_window import MainWindow
+    from ctxpatch.app.main_window import MainWindow
 
     logging.getLogger("ctxpatch").error("".join(traceback.format_exception(exc_type, exc, tb)))
     for w in QApplication.topLevelWidgets():
         if isinstance(w, MainWindow):
             w.show_error(f"internal error: {exc_type.__name__}: {exc} (details in the log)")
+
+
+#: the Debian/Ubuntu package of each library Qt's xcb platform plugin needs that a fresh
+#: machine may lack (sonames as ``ldd`` reports them; libxcb-cursor is loaded at run time)
+XCB_PACKAGES = {
+    "libxcb-icccm.so.4": "libxcb-icccm4", "libxcb-keysyms.so.1": "libxcb-keysyms1",
+    "libxcb-cursor.so.0": "libxcb-cursor0", "libxcb-image.so.0": "libxcb-image0",
+    "libxcb-render-util.so.0": "libxcb-render-util0", "libxkbcommon-x11.so.0": "libxkbcommon-x11-0",
+    "libxcb-xkb.so.1": "libxcb-xkb1", "libxcb-shape.so.0": "libxcb-shape0",
+    "libxcb-randr.so.0": "libxcb-randr0", "libxcb-xinerama.so.0": "libxcb-xinerama0",
+    "libxcb-util.so.1": "libxcb-util1", "libxkbcommon.so.0": "libxkbcommon0",
+    "libxcb-sync.so.1": "libxcb-sync1", "libxcb-xfixes.so.0": "libxcb-xfixes0",
+    "libxcb-shm.so.0": "libxcb-shm0", "libxcb-render.so.0": "libxcb-render0",
+    "libX11-xcb.so.1": "libx11-xcb1", "libxcb.so.1": "libxcb1", "libEGL.so.1": "libegl1",
+    "libGL.so.1": "libgl1", "libfontconfig.so.1": "libfontconfig1", "libdbus-1.so.3": "libdbus-1-3",
+}
+
+
+def missing_xcb_libraries(ldd_output: str | None = None) -> list[str]:
+    """The sonames Qt's xcb platform plugin needs and cannot find here (Linux), read from ``ldd``
+    on the plugin and its Qt library, plus libxcb-cursor, which Qt loads at run time."""
+    import ctypes.util
+    import subprocess
+    from pathlib import Path
+
+    if ldd_output is None:
+        import PySide6
+
+        qt = Path(PySide6.__file__).parent / "Qt"
+        files = [qt / "plugins" / "platforms" / "libqxcb.so", qt / "lib" / "libQt6XcbQpa.so.6"]
+        try:
+            ldd_output = "".join(
+                subprocess.run(["ldd", str(f)], capture_output=True, text=True, timeout=20).stdout
+                for f in files if f.is_file())
+        except (OSError, subprocess.SubprocessError):
+            return []  # no ldd: let Qt say it
+    missing = []
+    for line in ldd_output.splitlines():
+        name, _, where = line.strip().partition(" => ")
+        if where.strip() == "not found" and name not in missing:
+            missing.append(name)
+    if ctypes.util.find_library("xcb-cursor") is None and "libxcb-cursor.so.0" not in missing:
+        missing.append("libxcb-cursor.so.0")
+    return missing
+
+
+def _display_reachable() -> bool:
+    """Whether libxcb connects to ``$DISPLAY`` (Qt aborts the process when it cannot)."""
+    import ctypes
+
+    try:
+        xcb = ctypes.CDLL("libxcb.so.1")
+    except OSError:
+        return True  # let Qt say it
+    xcb.xcb_connect.restype = ctypes.c_void_p
+    xcb.xcb_connect.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+    xcb.xcb_connection_has_error.argtypes = [ctypes.c_void_p]
+    xcb.xcb_disconnect.argtypes = [ctypes.c_void_p]
+    connection = xcb.xcb_connect(None, None)
+    try:
+        return xcb.xcb_connection_has_error(connection) == 0
+    finally:
+        xcb.xcb_disconnect(connection)
+
+
+def check_xcb() -> None:
+    """Before Qt starts on X11 (where a missing library aborts the process with a message that
+    names no package): one line naming the packages to install."""
+    from ctxpatch.core.errors import UserError
+
+    platform = os.environ.get("QT_QPA_PLATFORM", "")
+    if not sys.platform.startswith("linux") or platform not in ("", "xcb"):
+        return
+    if platform == "" and (os.environ.get("WAYLAND_DISPLAY") or not os.environ.get("DISPLAY")):
+        return  # Qt picks Wayland, or reports the missing display itself
+    missing = missing_xcb_libraries()
+    if not missing and not _display_reachable():
+        raise UserError(f"cannot connect to the X display {os.environ.get('DISPLAY')!r}: start "
+                        "ctxpatch where a display is available (or under xvfb-run), or run "
+                        "headless with QT_QPA_PLATFORM=offscreen")
+    if missing:
+        packages = " ".join(XCB_PACKAGES.get(m, m) for m in missing)
+        raise UserError(f"the window needs system libraries that Qt's X11 (xcb) platform uses and "
+                        f"this machine lacks ({', '.join(missing)}): install them with 'sudo "
+                        f"apt-get install {packages}' (README: Troubleshooting), or run headless "
+                        "with QT_QPA_PLATFORM=offscreen")
 
 
 def window_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -59,7 +146,7 @@ def window_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_app(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    from core.errors import UserError
+    from ctxpatch.core.errors import UserError
 
     window = (*WINDOW_OPTIONS, "command", "screenshot", "quiet")
     ignored = sorted(k for k in vars(args) if k not in window)
@@ -68,15 +155,16 @@ def run_app(args: argparse.Namespace) -> int:
         raise UserError(f"{flag} is for 'ctxpatch compare' (or bench), not the window: run "
                         f"'ctxpatch compare ... {flag}', or leave it out")
     if getattr(args, "image", None):
-        from core.images import read_image
+        from ctxpatch.core.images import read_image
 
         read_image(args.image)  # a bad file is one line before the window opens
+    check_xcb()
     from PySide6.QtWidgets import QApplication
 
-    from app.main_window import MainWindow
+    from ctxpatch.app.main_window import MainWindow
     screenshot = getattr(args, "screenshot", None)
     if screenshot:
-        from core.outputs import check_outputs
+        from ctxpatch.core.outputs import check_outputs
 
         check_outputs({"--screenshot": screenshot}, [getattr(args, "model", None),
                                                        getattr(args, "image", None)])
@@ -87,7 +175,7 @@ def run_app(args: argparse.Namespace) -> int:
     app.setDesktopFileName("ctxpatch")
     from PySide6.QtGui import QIcon
 
-    import resources
+    from ctxpatch import resources
 
     icon = QIcon()
     for path in resources.icon_paths():

@@ -26,17 +26,17 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.jobs import ModelReady, RunStarted, load_job, run_job
-from app.panels.control_panel import QtControlPanel
-from app.panels.generation_panel import QtGenerationPanel, plural
-from app.panels.history_panel import QtHistoryPanel
-from app.panels.input_panel import QtInputPanel
-from app.panels.model_panel import QtModelPanel
-from app.panels.patch_panel import QtPatchPanel
-from app.panels.plots_panel import QtPlotsPanel
-from app.state import RunState
-from app.window_files import WindowFiles
-from app.worker import Worker
+from ctxpatch.app.jobs import ModelReady, RunStarted, load_job, run_job
+from ctxpatch.app.panels.control_panel import QtControlPanel
+from ctxpatch.app.panels.generation_panel import QtGenerationPanel, plural
+from ctxpatch.app.panels.history_panel import QtHistoryPanel
+from ctxpatch.app.panels.input_panel import QtInputPanel
+from ctxpatch.app.panels.model_panel import QtModelPanel
+from ctxpatch.app.panels.patch_panel import QtPatchPanel
+from ctxpatch.app.panels.plots_panel import QtPlotsPanel
+from ctxpatch.app.state import RunState
+from ctxpatch.app.window_files import WindowFiles
+from ctxpatch.app.worker import Worker
 
 log = logging.getLogger("ctxpatch")
 SETTINGS_VERSION = 1
@@ -319,6 +319,7 @@ class MainWindow(WindowFiles, QMainWindow):
             if outcome != "completed" and self.model is None:
                 self.model_panel.set_loaded("not loaded")
             if outcome == "completed":
+                self.banner.hide()  # an earlier error is stale once a model is ready
                 self.status_label.setText(f"Loaded {self.model_panel.spec()}")
             elif outcome == "cancelled":
                 self.status_label.setText("Loading cancelled")
@@ -395,8 +396,20 @@ class MainWindow(WindowFiles, QMainWindow):
         s.setValue("panels/input", json.dumps(self.input_panel.save()))
         s.sync()
 
+    def _first_start(self) -> None:
+        """A fresh profile runs on the first click: the paper's Mars prompt (the first preset)
+        with absorb all, which needs no context."""
+        from ctxpatch import resources
+
+        first = resources.presets()[0]
+        self.input_panel.restore({"context": first.get("context", ""),
+                                  "query": first.get("query", "")})
+        self.model_panel.absorb.setCurrentText(first.get("absorb", "all"))
+
     def _restore(self) -> None:
         s = self.settings
+        if s.value("panels/input") is None and s.value("panels/model") is None:
+            self._first_start()
         for key, restore in (("window/geometry", self.restoreGeometry),
                              ("window/main_splitter", self.main_splitter.restoreState),
                              ("window/right_splitter", self.right_splitter.restoreState)):
@@ -419,7 +432,7 @@ class MainWindow(WindowFiles, QMainWindow):
         from PySide6 import __version__ as pyside
         from PySide6.QtCore import qVersion
 
-        from core import __version__
+        from ctxpatch.core import __version__
 
         def v(name: str) -> str:
             try:
@@ -443,7 +456,7 @@ class MainWindow(WindowFiles, QMainWindow):
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt override
         self.save_settings()
-        from app.session import autosave_path
+        from ctxpatch.app.session import autosave_path
 
         autosave_path().unlink(missing_ok=True)  # a clean exit: nothing to offer back
         if self.worker is not None:

@@ -29,7 +29,7 @@ from pydantic import (
 )
 from typing_extensions import NotRequired, TypedDict  # pydantic needs this TypedDict before 3.12
 
-from core.errors import UserError
+from ctxpatch.core.errors import UserError
 
 FORMAT = "ctxpatch-session"
 SCHEMA_VERSION = 1
@@ -53,7 +53,7 @@ def session_dict(inputs: dict[str, Any], options: dict[str, Any], runs: list[dic
 
 
 def save_session(path: str | Path, session: dict[str, Any]) -> None:
-    from core.export import write_json
+    from ctxpatch.core.export import write_json
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_json(path, session)
@@ -373,7 +373,7 @@ def load_session(path: str | Path, should_stop: Any = None) -> dict[str, Any]:
     if legacy:
         data = _upgrade(data)
     if should_stop is not None and should_stop():
-        from core.errors import Cancelled
+        from ctxpatch.core.errors import Cancelled
 
         raise Cancelled
     try:
@@ -391,7 +391,7 @@ def rebuild(record: dict[str, Any], source: str) -> Any:
     none) read back as NaN, as the views and `core.results.conditioning` compute with floats."""
     from dataclasses import replace
 
-    from core.records import run_from_record
+    from ctxpatch.core.records import run_from_record
 
     run = run_from_record(record, source)
 

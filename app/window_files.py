@@ -53,9 +53,9 @@ class WindowFiles:
             return None
         if getattr(self.state.started, "record", None) is not None:
             return self.state.started.record  # a run reopened from a session
-        from core.compare import Settings
-        from core.controllability import record_section
-        from core.export import run_record
+        from ctxpatch.core.compare import Settings
+        from ctxpatch.core.controllability import record_section
+        from ctxpatch.core.export import run_record
 
         started = self.state.started
         extras = ("context", "query", "chat_template", "image")
@@ -84,8 +84,8 @@ class WindowFiles:
             path, _ = QFileDialog.getSaveFileName(self, "Export", default, filters[kind])
             if not path:
                 return False
-        from core.errors import UserError
-        from core.export import steps_csv, write_json, write_text
+        from ctxpatch.core.errors import UserError
+        from ctxpatch.core.export import steps_csv, write_json, write_text
 
         try:
             if kind == "json":
@@ -95,8 +95,8 @@ class WindowFiles:
             else:
                 from pathlib import Path
 
-                from app.report import write_report
-                from app.session import rebuild
+                from ctxpatch.app.report import write_report
+                from ctxpatch.app.session import rebuild
 
                 target = Path(path)
                 self.status_label.setText(f"Writing the report {path}…")
@@ -116,7 +116,7 @@ class WindowFiles:
         record = self.current_record()
         if record is None:
             return
-        from app.session import MAX_RUNS
+        from ctxpatch.app.session import MAX_RUNS
 
         self.history = (self.history + [record])[-MAX_RUNS:]
         self.history_index = len(self.history) - 1
@@ -127,7 +127,7 @@ class WindowFiles:
     def _update_overlays(self) -> None:
         import numpy as np
 
-        from app.panels.history_panel import short_label
+        from ctxpatch.app.panels.history_panel import short_label
 
         runs = []
         if self.plots.overlay.isChecked():
@@ -147,8 +147,8 @@ class WindowFiles:
         """Reopen a run of the history (no recomputation)."""
         if self.busy or not 0 <= index < len(self.history):
             return
-        from app.session import rebuild
-        from core.errors import UserError
+        from ctxpatch.app.session import rebuild
+        from ctxpatch.core.errors import UserError
 
         try:
             run = rebuild(self.history[index], f"run #{index + 1}")
@@ -158,7 +158,7 @@ class WindowFiles:
         self._show(index, run)
 
     def _show(self, index: int, run: Any) -> None:
-        from app.report import fill_state
+        from ctxpatch.app.report import fill_state
 
         with self.state.batch():  # the views redraw once, not once per step
             fill_state(self.state, run)
@@ -168,14 +168,14 @@ class WindowFiles:
         self.status_label.setText(f"Showing run #{index + 1} (saved; not recomputed)")
 
     def _session(self) -> dict[str, Any]:
-        from app.session import session_dict
+        from ctxpatch.app.session import session_dict
 
         return session_dict(self.input_panel.save(), self.model_panel.save(), self.history,
                             self.history_index)
 
     def _autosave_session(self) -> None:
-        from app.session import autosave_path, save_session
-        from core.errors import UserError
+        from ctxpatch.app.session import autosave_path, save_session
+        from ctxpatch.core.errors import UserError
 
         try:
             save_session(autosave_path(), self._session())
@@ -188,8 +188,8 @@ class WindowFiles:
                                                   "ctxpatch session (*.json)")
             if not path:
                 return False
-        from app.session import save_session
-        from core.errors import UserError
+        from ctxpatch.app.session import save_session
+        from ctxpatch.core.errors import UserError
 
         try:
             save_session(path, self._session())
@@ -214,15 +214,15 @@ class WindowFiles:
                 return False
         import os
 
-        from app.session import load_session, shown_run
-        from core.errors import UserError
+        from ctxpatch.app.session import load_session, shown_run
+        from ctxpatch.core.errors import UserError
 
         try:
             size = os.stat(path).st_size
         except (OSError, ValueError):
             size = 0  # load_session says what is wrong
         if size > SYNC_BYTES:
-            from app.jobs import session_job
+            from ctxpatch.app.jobs import session_job
 
             self._pending_session = None
             self._start(session_job(path), "session", f"Opening the session {path}…")
@@ -260,7 +260,7 @@ class WindowFiles:
         Raises:
             UserError: the shown run cannot be rebuilt (the window is unchanged).
         """
-        from app.session import NOT_FROM_SESSIONS, shown_run
+        from ctxpatch.app.session import NOT_FROM_SESSIONS, shown_run
 
         if run is None:
             index, run = shown_run(data, source)
@@ -279,7 +279,7 @@ class WindowFiles:
         """After a crash, the autosaved session is offered back (deleted on a clean exit). One
         that cannot be read is moved aside (``autosave.json.bad-<time>``) with a line in the
         banner: whatever is in it, the window starts."""
-        from app.session import SessionError, autosave_path, load_session, saved_when
+        from ctxpatch.app.session import SessionError, autosave_path, load_session, saved_when
 
         path = autosave_path()
         try:
@@ -299,7 +299,7 @@ class WindowFiles:
         when = saved_when(data)
 
         def restore() -> None:
-            from core.errors import UserError
+            from ctxpatch.core.errors import UserError
 
             if self.busy and self._kind != "load":  # a model may load meanwhile; not a run
                 self.show_error("a job is running: cancel it (Esc) before restoring the autosave")
@@ -317,7 +317,7 @@ class WindowFiles:
                           + (f" (saved {when})" if when else "") + "?", restore)
 
     def _autosave_unreadable(self, path: Any, problem: str) -> None:
-        from app.session import move_aside
+        from ctxpatch.app.session import move_aside
 
         try:
             where = f"moved aside to {move_aside(path)}"

@@ -14,8 +14,8 @@ import traceback
 
 from PySide6.QtCore import QObject, QThread, Signal
 
-from app.jobs import Job, ModelReady, RunStarted, SessionReady
-from core.errors import Cancelled, UserError
+from ctxpatch.app.jobs import Job, ModelReady, RunStarted, SessionReady
+from ctxpatch.core.errors import Cancelled, UserError
 
 log = logging.getLogger("ctxpatch")
 

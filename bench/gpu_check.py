@@ -43,11 +43,11 @@ def main() -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from core.adapters import adapter_for_config
-    from core.bench import machine, measure_time
-    from core.compare import Settings
-    from core.loading import DTYPES, LoadedModel, resolve_device
-    from core.prompt import Prompt, Segment
+    from ctxpatch.core.adapters import adapter_for_config
+    from ctxpatch.core.bench import machine, measure_time
+    from ctxpatch.core.compare import Settings
+    from ctxpatch.core.loading import DTYPES, LoadedModel, resolve_device
+    from ctxpatch.core.prompt import Prompt, Segment
 
     device = resolve_device(args.device)
     config = AutoConfig.from_pretrained(ROOT / "bench" / "gemma3-270m-config.json")

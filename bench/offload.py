@@ -20,10 +20,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from core.compare import Settings, iter_token_patches  # noqa: E402
-from core.loading import load_model  # noqa: E402
-from core.placement import Placement  # noqa: E402
-from core.prompt import build_prompt  # noqa: E402
+from ctxpatch.core.compare import Settings, iter_token_patches  # noqa: E402
+from ctxpatch.core.loading import load_model  # noqa: E402
+from ctxpatch.core.placement import Placement  # noqa: E402
+from ctxpatch.core.prompt import build_prompt  # noqa: E402
 
 MARS = ("Write a single-sentence weather forecast for Mars, from the perspective of a slightly "
         "annoyed robot:")

@@ -23,7 +23,7 @@ import time; t0 = time.perf_counter()
 import sys
 from PySide6.QtWidgets import QApplication
 from PySide6.QtCore import QSettings
-from app.main_window import MainWindow
+from ctxpatch.app.main_window import MainWindow
 app = QApplication(sys.argv[:1])
 w = MainWindow(settings=QSettings(sys.argv[1], QSettings.Format.IniFormat), autoload=False)
 w.show(); app.processEvents()

@@ -24,7 +24,7 @@ def _generate(loaded: Any, prompt: Any, tokens: int) -> None:
     """Plain greedy generation over the full prompt (with the image's pixels, if any)."""
     import torch
 
-    from core.images import vision_kwargs
+    from ctxpatch.core.images import vision_kwargs
 
     ids = torch.tensor([list(prompt.full_ids)], device=loaded.device)
     extra = vision_kwargs(loaded.model, prompt.pixels, ids) if prompt.pixels else {}
@@ -34,7 +34,7 @@ def _generate(loaded: Any, prompt: Any, tokens: int) -> None:
 
 
 def _compare(loaded: Any, prompt: Any, settings: Any) -> None:
-    from core.compare import iter_token_patches
+    from ctxpatch.core.compare import iter_token_patches
 
     for _ in iter_token_patches(loaded, prompt, settings):
         pass
@@ -71,7 +71,7 @@ def measure_time(loaded: Any, prompt: Any, settings: Any, repeats: int,
 
 CHILD = """
 import json, sys
-from core.bench import child_main
+from ctxpatch.core.bench import child_main
 print(json.dumps(child_main(json.loads(sys.argv[1]))))
 """
 
@@ -82,10 +82,10 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
 
     import torch
 
-    from core.compare import Settings
-    from core.images import read_image
-    from core.loading import load_model
-    from core.prompt import build_prompt
+    from ctxpatch.core.compare import Settings
+    from ctxpatch.core.images import read_image
+    from ctxpatch.core.loading import load_model
+    from ctxpatch.core.prompt import build_prompt
 
     loaded = load_model(spec["model"], dtype=spec["dtype"], device=spec["device"])
     picture = read_image(spec["image"]) if spec.get("image") else None

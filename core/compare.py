@@ -21,20 +21,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.engine import (
+from ctxpatch.core.engine import (
     LayerPatch,
     PatchSpec,
     compute_dtype,
     patching,
     recording,
 )
-from core.errors import Cancelled, UserError
-from core.forward import extend_cache, last_logits, logit_distance
-from core.loading import LoadedModel
-from core.offload import resident
-from core.patches import Delta, Rank1
-from core.prompt import ABSORB_MODES, Prompt, check_prompt, reduced_sequence
-from core.results import ENTRY_BOUND, NO_CONTROL, Side, StepResult, TopK, summarize
+from ctxpatch.core.errors import Cancelled, UserError
+from ctxpatch.core.forward import extend_cache, last_logits, logit_distance
+from ctxpatch.core.loading import LoadedModel
+from ctxpatch.core.offload import resident
+from ctxpatch.core.patches import Delta, Rank1
+from ctxpatch.core.prompt import ABSORB_MODES, Prompt, check_prompt, reduced_sequence
+from ctxpatch.core.results import ENTRY_BOUND, NO_CONTROL, Side, StepResult, TopK, summarize
 
 METHODS = ("direct", "stable")
 SCOPES = ("all-positions", "query")

@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # `outcome` and `summary_lines` run in the window's thread without torch
-    from core.compare import Settings, StepResult
-    from core.loading import LoadedModel
+    from ctxpatch.core.compare import Settings, StepResult
+    from ctxpatch.core.loading import LoadedModel
 
 CONDITIONS = {
     "input": "z != 0 (the input matrices' input at the query)",
@@ -53,9 +53,9 @@ def plan(loaded: LoadedModel, settings: Settings) -> list[LayerPlan]:
     """What the run will patch, per layer, and under which conditions."""
     import torch
 
-    from core.compare import parse_layers, resolve_control
-    from core.offload import resident
-    from core.patches import reachable_shift_bound
+    from ctxpatch.core.compare import parse_layers, resolve_control
+    from ctxpatch.core.offload import resident
+    from ctxpatch.core.patches import reachable_shift_bound
 
     model, adapter = loaded.model, loaded.adapter
     control = resolve_control(loaded, settings)

@@ -26,18 +26,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from core.activations import (
+from ctxpatch.core.activations import (
     first_input,
     first_output,
     query_row,
     rank1_action,
     replace_output,
 )
-from core.adapters.base import LayerSites
-from core.engine_moe import MoEHooks, record_moe
-from core.errors import Cancelled
-from core.offload import plain_call, resident
-from core.patches import (
+from ctxpatch.core.adapters.base import LayerSites
+from ctxpatch.core.engine_moe import MoEHooks, record_moe
+from ctxpatch.core.errors import Cancelled
+from ctxpatch.core.offload import plain_call, resident
+from ctxpatch.core.patches import (
     Delta,
     Patch,
     Rank1,

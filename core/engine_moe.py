@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from core.activations import (
+from ctxpatch.core.activations import (
     first_input,
     first_output,
     last_rows,
@@ -45,10 +45,10 @@ from core.activations import (
     rank1_action,
     replace_output,
 )
-from core.adapters.base import ExpertsView, LayerSites, SharedExpert
-from core.forward import written_
-from core.offload import is_offloaded, plain_call, resident
-from core.patches import Rank1, matrix_output_patch, rank1_input_patch
+from ctxpatch.core.adapters.base import ExpertsView, LayerSites, SharedExpert
+from ctxpatch.core.forward import written_
+from ctxpatch.core.offload import is_offloaded, plain_call, resident
+from ctxpatch.core.patches import Rank1, matrix_output_patch, rank1_input_patch
 
 #: key in ``LayerTargets.inputs`` of the router's full-context input ``z_C`` (not a matrix output)
 ROUTER_Z = "moe.z"

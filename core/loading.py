@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from core.adapters import Adapter, adapter_for_config
-from core.errors import Cancelled, UserError
-from core.footprint import DEMOS, demo_folder
-from core.offload import execution_device
-from core.placement import Placement, no_fit
+from ctxpatch.core.adapters import Adapter, adapter_for_config
+from ctxpatch.core.errors import Cancelled, UserError
+from ctxpatch.core.footprint import DEMOS, demo_folder
+from ctxpatch.core.offload import execution_device
+from ctxpatch.core.placement import Placement, no_fit
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -304,7 +304,7 @@ def load_model(
     placement.validate()
     torch_device = resolve_device(device)
     if placement.offload_folder:  # (read the weights' size only when disk space matters)
-        from core.footprint import estimate
+        from ctxpatch.core.footprint import estimate
 
         found = estimate(spec, dtype)
         placement.check_disk(found.bytes if found is not None else None)
@@ -389,7 +389,7 @@ def _processor(source: str, kwargs: dict[str, Any], trust_remote_code: bool, con
     processor that needs torchvision (`core.images.processor_class`)."""
     from transformers import AutoProcessor
 
-    from core.images import processor_class
+    from ctxpatch.core.images import processor_class
 
     options = {"local_files_only": kwargs.get("local_files_only", False),
                "trust_remote_code": trust_remote_code}

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.errors import UserError
-from core.images import ImageInfo, encode_image, image_layout, image_marker, text_only
+from ctxpatch.core.errors import UserError
+from ctxpatch.core.images import ImageInfo, encode_image, image_layout, image_marker, text_only
 
 #: segment kinds that absorb mode "context" takes out of the reduced sequence
 ABSORBED = ("context", "image")

@@ -10,12 +10,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.compare import Settings, StepResult, iter_token_patches
-from core.controllability import LayerPlan, plan, record_section
-from core.errors import UserError
-from core.export import run_record
-from core.loading import LoadedModel
-from core.prompt import Prompt
+from ctxpatch.core.compare import Settings, StepResult, iter_token_patches
+from ctxpatch.core.controllability import LayerPlan, plan, record_section
+from ctxpatch.core.errors import UserError
+from ctxpatch.core.export import run_record
+from ctxpatch.core.loading import LoadedModel
+from ctxpatch.core.prompt import Prompt
 
 
 def record_of(model: dict[str, Any], prompt: Prompt, settings: Settings,

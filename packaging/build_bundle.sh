@@ -6,18 +6,18 @@ cd "$(dirname "$0")/.."
 out="${1:-build/bundle}"
 # transformers imports each model family lazily: collect every family ctxpatch supports
 # (the image+text families too, with their vision towers)
-families=$(python -c "from core.adapters import REGISTRY
-from core.images import IMAGE_TEXT_TYPES
+families=$(python -c "from ctxpatch.core.adapters import REGISTRY
+from ctxpatch.core.images import IMAGE_TEXT_TYPES
 types = set(REGISTRY) | set(IMAGE_TEXT_TYPES) | {'clip', 'siglip'}
 print(' '.join(sorted({'--collect-submodules transformers.models.' + t.removesuffix('_text')
                       for t in types})))")
 # shellcheck disable=SC2086
 python -m PyInstaller --noconfirm --clean --onedir --name ctxpatch \
   --distpath "$out/dist" --workpath "$out/work" --specpath "$out" \
-  --collect-data resources --collect-submodules core --collect-submodules app \
+  --collect-data ctxpatch.resources --collect-submodules ctxpatch \
   $families --collect-submodules transformers.integrations \
   --collect-data transformers --copy-metadata transformers --copy-metadata torch \
   --copy-metadata tokenizers --copy-metadata safetensors --copy-metadata huggingface-hub \
   --copy-metadata ctxpatch --hidden-import pyqtgraph.exporters --collect-submodules gguf \
-  app/__main__.py
+  ctxpatch/__main__.py
 python packaging/smoke.py "$out/dist/ctxpatch/ctxpatch"

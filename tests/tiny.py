@@ -174,8 +174,8 @@ def tiny_loaded(config: Any, dtype: torch.dtype = torch.float64, seed: int = 0) 
     """A `LoadedModel` of a random model built from ``config``."""
     from transformers import AutoModelForCausalLM
 
-    from core.adapters import adapter_for_config
-    from core.loading import LoadedModel
+    from ctxpatch.core.adapters import adapter_for_config
+    from ctxpatch.core.loading import LoadedModel
 
     torch.manual_seed(seed)
     extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
@@ -298,8 +298,8 @@ def tiny_image_loaded(kind: str, dtype: torch.dtype = torch.float64, seed: int =
     """A `LoadedModel` of a random image+text model with its processor (random norms, biases)."""
     from transformers import AutoModelForImageTextToText
 
-    from core.adapters import adapter_for_config
-    from core.loading import LoadedModel
+    from ctxpatch.core.adapters import adapter_for_config
+    from ctxpatch.core.loading import LoadedModel
 
     config, processor = image_text_parts(kind)
     torch.manual_seed(seed)

@@ -36,7 +36,7 @@ def _text(layers: int, vocab: int = 330, **extra: Any) -> dict[str, Any]:
 
 
 def _qwen2_vl(layers: int, v25: bool = False) -> tuple[Any, Any]:
-    from core.images import pictures_only
+    from ctxpatch.core.images import pictures_only
 
     if v25:
         from transformers import Qwen2_5_VLConfig as Config
@@ -74,7 +74,7 @@ def _qwen2_vl(layers: int, v25: bool = False) -> tuple[Any, Any]:
 def _mistral3(layers: int) -> tuple[Any, Any]:
     from transformers import Mistral3Config, PixtralImageProcessorPil
 
-    from core.images import processor_class
+    from ctxpatch.core.images import processor_class
 
     marks = {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
              "image_end_token": "[IMG_END]"}
@@ -169,7 +169,7 @@ def _idefics2(layers: int) -> tuple[Any, Any]:
 def _smolvlm(layers: int) -> tuple[Any, Any]:
     from transformers import SmolVLMConfig, SmolVLMImageProcessorPil, SmolVLMProcessor
 
-    from core.images import pictures_only
+    from ctxpatch.core.images import pictures_only
 
     tok = _tokenizer(["<fake_token_around_image>", "<image>", "<end_of_utterance>", *GRID_TOKENS],
                      {})

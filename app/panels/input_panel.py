@@ -26,7 +26,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-import resources
+from ctxpatch import resources
 
 
 class QtInputPanel(QGroupBox):

@@ -18,8 +18,8 @@ from PySide6.QtCore import QEvent, Qt
 from PySide6.QtGui import QFontMetricsF
 from PySide6.QtWidgets import QCheckBox, QLabel, QVBoxLayout, QWidget
 
-from app.state import RunState
-from app.theme import legend_style, series_colors, style_graphics
+from ctxpatch.app.state import RunState
+from ctxpatch.app.theme import legend_style, series_colors, style_graphics
 
 #: log plots cannot show 0; exact zeros are drawn at this floor
 FLOOR = 1e-12
@@ -129,6 +129,8 @@ class QtPlotsPanel(QWidget):
                 axes["left"] = DecadeAxis("left")
             plot = self.graphics.addPlot(row=row, col=0, axisItems=axes)
             plot.setLabel("left", TITLES[metric])
+            for side in ("left", "bottom"):  # no "(x0.001)" SI scaling: ticks say the values
+                plot.getAxis(side).enableAutoSIPrefix(False)
             plot.showGrid(x=True, y=True, alpha=0.25)
             plot.setMenuEnabled(False)  # no log/FFT menu that would undo the axes above
             if metric != "match":

@@ -1,4 +1,4 @@
-"""``python -m core.adapters [README.md]``: print the supported families table, or rewrite it in
+"""``python -m ctxpatch.core.adapters [README.md]``: print the supported families table, or rewrite it in
 the given README between its markers."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from core.adapters import families_markdown, readme_with_families
+from ctxpatch.core.adapters import families_markdown, readme_with_families
 
 if len(sys.argv) > 1:
     path = Path(sys.argv[1])

@@ -38,9 +38,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from core.adapters.base import LayerSites
-from core.adapters.declarative import Layout, declarative, parallel_layout
-from core.errors import UserError
+from ctxpatch.core.adapters.base import LayerSites
+from ctxpatch.core.adapters.declarative import Layout, declarative, parallel_layout
+from ctxpatch.core.errors import UserError
 
 _PARALLEL = ("parallel block: once the layer input matches, the MLP input does not depend on the "
              "context; the input patches are then ~0 and the output control does the work")

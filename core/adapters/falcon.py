@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from core.adapters.base import Adapter, LayerSites
-from core.adapters.parallel import dense_sites
+from ctxpatch.core.adapters.base import Adapter, LayerSites
+from ctxpatch.core.adapters.parallel import dense_sites
 
 
 def _sites(layer: nn.Module) -> LayerSites:

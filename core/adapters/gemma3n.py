@@ -29,8 +29,8 @@ Mirrors ``transformers/models/gemma3n/modeling_gemma3n.py`` (`Gemma3nTextDecoder
 from __future__ import annotations
 
 
-from core.adapters import gemma3
-from core.adapters.base import Adapter
+from ctxpatch.core.adapters import gemma3
+from ctxpatch.core.adapters.base import Adapter
 
 
 ADAPTER = Adapter(

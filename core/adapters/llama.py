@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from core.adapters.base import Adapter, LayerSites
+from ctxpatch.core.adapters.base import Adapter, LayerSites
 
 
 def _sites(layer: nn.Module) -> LayerSites:

@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.jobs import RunStarted
-from app.main_window import MainWindow
-from core.compare import Side, StepResult, TopK
-from core.prompt import Prompt, Segment
+from ctxpatch.app.jobs import RunStarted
+from ctxpatch.app.main_window import MainWindow
+from ctxpatch.core.compare import Side, StepResult, TopK
+from ctxpatch.core.prompt import Prompt, Segment
 
 N = 7
 
@@ -58,7 +58,7 @@ def _decades(lo: float, hi: float) -> list[str]:
 
 
 def test_every_decade_is_labelled_in_one_format(window: MainWindow) -> None:
-    from app.panels.plots_panel import shown_ticks
+    from ctxpatch.app.panels.plots_panel import shown_ticks
 
     for metric in ("linf", "tvd"):
         axis = window.plots.plots[metric].getAxis("left")
@@ -82,7 +82,7 @@ def test_every_series_fits_its_axes_with_a_margin(window: MainWindow) -> None:
 
 
 def test_token_ticks_are_integers(window: MainWindow) -> None:
-    from app.panels.plots_panel import TokenAxis
+    from ctxpatch.app.panels.plots_panel import TokenAxis
 
     axis = window.plots.plots["match"].getAxis("bottom")
     assert isinstance(axis, TokenAxis)
@@ -130,7 +130,7 @@ def test_token_match_is_drawn_with_markers_not_zigzags(window: MainWindow) -> No
 def test_palette_is_okabe_ito_on_light_and_dark() -> None:
     from PySide6.QtGui import QColor, QPalette
 
-    from app.theme import OKABE_ITO, series_colors
+    from ctxpatch.app.theme import OKABE_ITO, series_colors
 
     light, dark = QPalette(), QPalette()
     light.setColor(QPalette.ColorRole.Window, QColor("#f0f0f0"))
@@ -160,7 +160,7 @@ def test_heatmap_hover_names_layer_token_parameter_and_value(window: MainWindow,
 
 
 def test_token_detail_never_wraps_inside_a_token(window: MainWindow) -> None:
-    from app.panels.generation_panel import step_details_html
+    from ctxpatch.app.panels.generation_panel import step_details_html
 
     html = step_details_html(window.state.steps[0])
     assert 'white-space:pre">&#32;annoyed' in html or 'white-space:pre"> annoyed' in html
@@ -168,7 +168,7 @@ def test_token_detail_never_wraps_inside_a_token(window: MainWindow) -> None:
 
 
 def test_history_marks_a_cancelled_run() -> None:
-    from app.panels.history_panel import run_label, short_label
+    from ctxpatch.app.panels.history_panel import run_label, short_label
 
     record = {"settings": {"max_new_tokens": 20, "model": "demo", "query": "q"},
               "summary": {"tokens": 1, "patched": {"matches": 1}}}
@@ -181,8 +181,8 @@ def test_history_marks_a_cancelled_run() -> None:
 
 
 def test_parameter_counts_of_small_models() -> None:
-    from app.panels.model_panel import footprint_text, parameter_count
-    from core.footprint import Footprint
+    from ctxpatch.app.panels.model_panel import footprint_text, parameter_count
+    from ctxpatch.core.footprint import Footprint
 
     assert parameter_count(300_000) == "0.3 M"
     assert parameter_count(134_515_008) == "135 M"
@@ -193,15 +193,15 @@ def test_parameter_counts_of_small_models() -> None:
 
 
 def test_plural() -> None:
-    from app.panels.generation_panel import plural
-    from app.report import _plural
+    from ctxpatch.app.panels.generation_panel import plural
+    from ctxpatch.app.report import _plural
 
     assert plural(1, "token") == _plural(1, "token") == "1 token"
     assert plural(2, "token") == "2 tokens" and plural(0, "token") == "0 tokens"
 
 
 def test_empty_plots_have_room_for_their_labels(qtbot: Any, keep: Any, settings: Any) -> None:
-    from app.panels.plots_panel import shown_ticks
+    from ctxpatch.app.panels.plots_panel import shown_ticks
 
     w = MainWindow(settings=settings, autoload=False)
     keep(w)
@@ -213,3 +213,14 @@ def test_empty_plots_have_room_for_their_labels(qtbot: Any, keep: Any, settings:
         lo, hi = axis.range
         assert shown_ticks(axis) == _decades(lo, hi)
         assert np.isfinite([lo, hi]).all() and hi - lo >= 1
+
+
+def test_no_axis_label_gets_an_si_scale_factor(qtbot) -> None:  # type: ignore[no-untyped-def]
+    """A TVD axis of small values read "TVD (x0.001)": the ticks already say the values."""
+    from ctxpatch.app.panels.plots_panel import QtPlotsPanel
+    from ctxpatch.app.state import RunState
+
+    panel = QtPlotsPanel(RunState())
+    for plot in panel.plots.values():
+        for side in ("left", "bottom"):
+            assert not plot.getAxis(side).autoSIPrefix

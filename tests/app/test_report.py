@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from app.cli import main
+from ctxpatch.app.cli import main
 
 CONTEXT = "<script>alert('x')</script> & Alice lives in Paris."
 
@@ -46,7 +46,7 @@ def test_pdf_report(qtbot: Any, tiny_model_dir: str, tmp_path: Path) -> None:
 
 def test_the_window_exports_the_same_report(qtbot: Any, keep: Any, tiny_model_dir: str,
                                             settings: Any, tmp_path: Path) -> None:
-    from app.main_window import MainWindow
+    from ctxpatch.app.main_window import MainWindow
 
     w = MainWindow(model=tiny_model_dir, settings=settings, autoload=False)
     keep(w)
@@ -78,7 +78,7 @@ def test_settings_are_a_readable_table_and_pages_keep_headings_with_what_follows
         qtbot: Any, tiny_model_dir: str, tmp_path: Path) -> None:
     from PySide6.QtCore import QSizeF
 
-    from app.report import (
+    from ctxpatch.app.report import (
         FIGURE_PT,
         PLOT_SIZE,
         heading_pages,
@@ -86,7 +86,7 @@ def test_settings_are_a_readable_table_and_pages_keep_headings_with_what_follows
         plot_images,
         report_document,
     )
-    from core.records import run_from_record
+    from ctxpatch.core.records import run_from_record
 
     record = _compare(tiny_model_dir, tmp_path, "r.html", "--max-new-tokens", "1")
     text = (tmp_path / "r.html").read_text()
@@ -116,14 +116,14 @@ def test_figures_are_drawn_at_their_shown_size(qtbot: Any, tiny_model_dir: str,
                                                tmp_path: Path) -> None:
     from PySide6.QtGui import QImage
 
-    from app.report import PLOT_SIZE, PNG_SCALE, plot_images
-    from core.records import run_from_record
+    from ctxpatch.app.report import PLOT_SIZE, PNG_SCALE, plot_images
+    from ctxpatch.core.records import run_from_record
 
     record = _compare(tiny_model_dir, tmp_path, "r.html")
     png, _ = plot_images(run_from_record(record))["per-token"]
     image = QImage.fromData(png, "PNG")
     assert image.width() == round(PLOT_SIZE[0] * PNG_SCALE)
-    from app import report
+    from ctxpatch.app import report
 
     plots = report._EXPORT[1]
     font = plots.plots["linf"].getAxis("left").style["tickFont"]

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from tiny_images import ALL_FAMILIES
 
-from app.cli import main
+from ctxpatch.app.cli import main
 
 
 def test_reproduce_runs_the_grid_and_resumes(qtbot: Any, tiny_model_dir: str, tmp_path: Path,

@@ -9,7 +9,7 @@ import pytest
 
 from PySide6.QtGui import QImage
 
-from app.cli import main
+from ctxpatch.app.cli import main
 
 
 def test_screenshot_runs_to_the_end_and_saves_the_window(
@@ -53,7 +53,7 @@ def test_compare_only_options_are_refused_by_the_window(option: list[str], capsy
 
 def test_trust_flags_on_the_command_line_tick_the_boxes_for_this_start(
         qtbot: Any, keep: Any, settings: Any) -> None:
-    from app.main_window import MainWindow
+    from ctxpatch.app.main_window import MainWindow
 
     w = MainWindow(settings=settings, autoload=False,
                    options={"trust_remote_code": True, "allow_pickle": True})

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from app.main_window import MainWindow
-from app.session import autosave_path, load_session
-from core.errors import UserError
+from ctxpatch.app.main_window import MainWindow
+from ctxpatch.app.session import autosave_path, load_session
+from ctxpatch.core.errors import UserError
 
 FIXTURE = Path(__file__).parent / "fixtures" / "session_v0.json"
 
@@ -213,12 +213,12 @@ def test_an_old_autosave_is_offered_and_a_good_one_stays(fresh: Any, clean_state
 
 def test_an_autosave_that_cannot_be_moved_is_left_and_named(fresh: Any, clean_state: Path,
                                                            monkeypatch: Any) -> None:
-    import app.session
+    from ctxpatch.app import session as app_session
 
     def refuse(path: Path) -> Path:
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(app.session, "move_aside", refuse)
+    monkeypatch.setattr(app_session, "move_aside", refuse)
     clean_state.parent.mkdir(parents=True, exist_ok=True)
     clean_state.write_bytes(b"garbage")
     w = fresh()
@@ -273,9 +273,9 @@ def big_session(path: Path, n: int) -> Path:
 
 def test_replaying_a_long_run_redraws_once() -> None:
     """The cause of minutes-long opening: every step of a reopened run redrew every view."""
-    from app.report import fill_state
-    from app.state import RunState
-    from core.records import run_from_record
+    from ctxpatch.app.report import fill_state
+    from ctxpatch.app.state import RunState
+    from ctxpatch.core.records import run_from_record
 
     run = run_from_record(_fixture()["run"])
     long = type(run)(run.settings, run.model, run.prompt, run.steps * 3000, run.record)

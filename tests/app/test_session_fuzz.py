@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.main_window import MainWindow
-from app.session import SessionError, autosave_path, load_session, shown_run
-from core.records import run_from_record
+from ctxpatch.app.main_window import MainWindow
+from ctxpatch.app.session import SessionError, autosave_path, load_session, shown_run
+from ctxpatch.core.records import run_from_record
 
 FIXTURE = Path(__file__).parent / "fixtures" / "session_v0.json"
 V0 = json.loads(FIXTURE.read_text())

@@ -7,11 +7,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.jobs import RunStarted
-from app.main_window import MainWindow
-from app.panels.generation_panel import COLORS, token_html
-from core.compare import Side, StepResult, TopK
-from core.prompt import Prompt, Segment
+from ctxpatch.app.jobs import RunStarted
+from ctxpatch.app.main_window import MainWindow
+from ctxpatch.app.panels.generation_panel import COLORS, token_html
+from ctxpatch.core.compare import Side, StepResult, TopK
+from ctxpatch.core.prompt import Prompt, Segment
 
 TEXTS = ["Hello", " world", "\n", "  ", "日本語", "\t", ""]
 MISMATCH = {2, 4}

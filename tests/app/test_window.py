@@ -9,7 +9,7 @@ import pytest
 from PySide6.QtCore import Qt
 from windows import open_window, run_to_end
 
-from app.main_window import MainWindow
+from ctxpatch.app.main_window import MainWindow
 
 N = 6  # tokens per run
 LAYERS = 4  # tests/tiny.py llama_config
@@ -145,7 +145,7 @@ def test_the_window_opens_without_importing_torch(tmp_path: Any) -> None:
         "import sys\n"
         "from PySide6.QtCore import QSettings\n"
         "from PySide6.QtWidgets import QApplication\n"
-        "from app.main_window import MainWindow\n"
+        "from ctxpatch.app.main_window import MainWindow\n"
         "app = QApplication([])\n"
         f"w = MainWindow(settings=QSettings({str(tmp_path / 's.ini')!r}, "
         "QSettings.Format.IniFormat), autoload=False)\n"

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from windows import open_window, run_to_end
 
-from app.main_window import MainWindow
+from ctxpatch.app.main_window import MainWindow
 
 N = 3
 
@@ -91,18 +91,18 @@ def test_out_of_memory_in_a_run_is_one_line_and_the_next_run_works(
     the worker is gone, the model stays loaded, and the next run works."""
     import torch
 
-    import core.compare
+    from ctxpatch.core import compare as core_compare
 
     assert _run(qtbot, window) == "completed"
-    real = core.compare.iter_token_patches
+    real = core_compare.iter_token_patches
 
     def starved(*args: Any, **kwargs: Any) -> Any:
         yield from []
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
-    monkeypatch.setattr(core.compare, "iter_token_patches", starved)
+    monkeypatch.setattr(core_compare, "iter_token_patches", starved)
     assert _run(qtbot, window) == "failed"
     assert window.last_error.startswith("out of memory") and "bfloat16" in window.last_error
     assert "\n" not in window.last_error and window.worker is None
-    monkeypatch.setattr(core.compare, "iter_token_patches", real)
+    monkeypatch.setattr(core_compare, "iter_token_patches", real)
     assert _run(qtbot, window) == "completed" and len(window.state.steps) == N

@@ -11,8 +11,8 @@ from PySide6.QtGui import QDropEvent
 from tiny_images import ALL_FAMILIES
 from windows import open_window, run_to_end
 
-from app.main_window import MainWindow
-from resources import presets, sample_image_path
+from ctxpatch.app.main_window import MainWindow
+from ctxpatch.resources import presets, sample_image_path
 
 N = 4
 

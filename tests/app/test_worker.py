@@ -8,9 +8,9 @@ from typing import Any
 
 from PySide6.QtCore import Qt
 
-from app.jobs import RunStarted
-from app.worker import Worker
-from core.errors import Cancelled, UserError
+from ctxpatch.app.jobs import RunStarted
+from ctxpatch.app.worker import Worker
+from ctxpatch.core.errors import Cancelled, UserError
 
 
 def _record(worker: Worker) -> list[tuple[str, Any]]:

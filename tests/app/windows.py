@@ -8,12 +8,14 @@ from typing import Any
 
 def open_window(keep: Any, settings: Any, model: str, context: str = "", query: str = "",
                 tokens: int = 4) -> Any:
-    from app.main_window import MainWindow
+    from ctxpatch.app.main_window import MainWindow
 
     w = MainWindow(model=model, settings=settings, autoload=False)
     keep(w)
     w.input_panel.context.setPlainText(context)
     w.input_panel.query.setPlainText(query)
+    # (a fresh profile starts on the paper's absorb all; with a context, test absorbing it)
+    w.model_panel.absorb.setCurrentText("context" if context else "all")
     w.input_panel.max_tokens.setValue(tokens)
     w.show()
     return w

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from tiny import gemma3_config, tiny_tokenizer
 
-from app.cli import main
+from ctxpatch.app.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -121,7 +121,8 @@ def test_compare_and_verify_end_to_end(capsys: pytest.CaptureFixture[str], tiny_
 
 
 def test_core_never_imports_qt() -> None:
-    code = ("import sys, core, core.compare, core.engine, core.export, core.verify, core.loading;"
+    code = ("import sys, ctxpatch.core.compare, ctxpatch.core.engine, ctxpatch.core.export, "
+            "ctxpatch.core.verify, ctxpatch.core.loading;"
             "bad=[m for m in sys.modules if m.startswith(('PySide6','pyqtgraph','PyQt'))];"
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
@@ -129,7 +130,7 @@ def test_core_never_imports_qt() -> None:
 
 
 def test_cli_start_does_not_import_torch() -> None:
-    code = "import sys, app.cli; sys.exit(1 if 'torch' in sys.modules else 0)"
+    code = "import sys, ctxpatch.app.cli; sys.exit(1 if 'torch' in sys.modules else 0)"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
@@ -186,19 +187,19 @@ def test_out_of_memory_is_one_line_with_what_to_do(capsys: pytest.CaptureFixture
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    import core.loading
+    from ctxpatch.core import loading as core_loading
 
     def no_memory(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
-    monkeypatch.setattr(core.loading, "load_model", no_memory)
+    monkeypatch.setattr(core_loading, "load_model", no_memory)
     line = _err(capsys, ["compare", "--context", "c", "--query", "hi"])
     assert "out of memory" in line and "bfloat16" in line
 
 
 def test_a_closed_pipe_is_not_an_error(tiny_folder: Path) -> None:
     """`ctxpatch compare ... | head -1`: the reader leaves early; no 'internal error'."""
-    cmd = (f"{sys.executable} -m app compare --model {tiny_folder} --context 'The fox.' "
+    cmd = (f"{sys.executable} -m ctxpatch compare --model {tiny_folder} --context 'The fox.' "
            "--query Hello --max-new-tokens 2 --quiet | head -1")
     out = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True,
                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from tiny import save_tiny_folder, save_tiny_image_folder
 
-from app.cli import main
-from resources import sample_image_path
+from ctxpatch.app.cli import main
+from ctxpatch.resources import sample_image_path
 
 
 @pytest.fixture(scope="module", params=["gemma3", "llava", "llava_next", "idefics3"])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from tiny import llama_config, save_tiny_folder
 
-from app.cli import main
+from ctxpatch.app.cli import main
 
 CASE = ["--context", "Alice lives in Paris.", "--query", "Where?", "--max-new-tokens", "2"]
 
@@ -298,16 +298,16 @@ def test_the_data_is_written_before_the_report(capsys, folder: Path, tmp_path: P
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A report that fails late (here: its plots) loses nothing: the run JSON, the CSV and the
     patches are already written, and the half-written plots folder is removed."""
-    import core.export
+    from ctxpatch.core import export as core_export
 
-    real_atomic = core.export.atomic_write
+    real_atomic = core_export.atomic_write
 
     def full_disk_in_the_plots(path, write):  # type: ignore[no-untyped-def]
         if Path(path).parent.name == "r_plots":
             raise OSError(28, "No space left on device")
         return real_atomic(path, write)
 
-    monkeypatch.setattr(core.export, "atomic_write", full_disk_in_the_plots)
+    monkeypatch.setattr(core_export, "atomic_write", full_disk_in_the_plots)
     code = main(["compare", "--model", str(folder), *CASE, "--quiet",
                  "--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv"),
                  "--save-patches", str(tmp_path / "p.safetensors"),

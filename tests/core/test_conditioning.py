@@ -9,12 +9,12 @@ import pytest
 import torch
 from tiny import gemma3_config, tiny_loaded
 
-from core.compare import Settings, iter_token_patches
-from core.export import PATCHES_FORMAT, save_patches
-from core.patches import conditioned_scale, fit_down_target, stable_down_target
-from core.prompt import build_prompt
-from core.results import ENTRY_BOUND, conditioning
-from core.verify import read_patches, verify_patches
+from ctxpatch.core.compare import Settings, iter_token_patches
+from ctxpatch.core.export import PATCHES_FORMAT, save_patches
+from ctxpatch.core.patches import conditioned_scale, fit_down_target, stable_down_target
+from ctxpatch.core.prompt import build_prompt
+from ctxpatch.core.results import ENTRY_BOUND, conditioning
+from ctxpatch.core.verify import read_patches, verify_patches
 
 EXACT = 1e-6
 

@@ -8,9 +8,9 @@ import math
 import torch
 from tiny import gemma3_config, tiny_config, tiny_loaded
 
-from core.compare import Settings, iter_token_patches
-from core.controllability import outcome, plan, summary_lines
-from core.prompt import build_prompt
+from ctxpatch.core.compare import Settings, iter_token_patches
+from ctxpatch.core.controllability import outcome, plan, summary_lines
+from ctxpatch.core.prompt import build_prompt
 
 CONTEXT, QUERY, TOKENS = "The quick brown fox jumps over the lazy dog.", "Hello world!", 4
 
@@ -99,7 +99,7 @@ def test_down_only_under_a_frozen_scale_is_the_section_7_case() -> None:
 def test_a_numerical_fault_stops_at_its_token_or_is_passed_as_asked() -> None:
     import pytest
 
-    from core.errors import UserError
+    from ctxpatch.core.errors import UserError
 
     low = tiny_loaded(tiny_config("llama"), dtype=torch.float16)
     with torch.no_grad():  # float16 tops out at 65504: this layer's output overflows
@@ -113,9 +113,9 @@ def test_a_numerical_fault_stops_at_its_token_or_is_passed_as_asked() -> None:
 def test_a_nonfinite_patch_names_its_layer(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import pytest
 
-    import core.engine as engine
-    from core.errors import UserError
-    from core.patches import Rank1
+    import ctxpatch.core.engine as engine
+    from ctxpatch.core.errors import UserError
+    from ctxpatch.core.patches import Rank1
 
     real = engine.matrix_output_patch
 

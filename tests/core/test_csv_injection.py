@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from core.export import CSV_COLUMNS, csv_text, steps_csv
-from core.records import run_from_record
+from ctxpatch.core.export import CSV_COLUMNS, csv_text, steps_csv
+from ctxpatch.core.records import run_from_record
 
 RUN = Path(__file__).parents[1] / "app" / "fixtures" / "session_v0.json"
 TEXT_COLUMNS = ("baseline_text", "patched_text", "control_text")

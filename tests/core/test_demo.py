@@ -6,9 +6,9 @@ import importlib.util
 
 import pytest
 
-from core.compare import Settings, iter_token_patches, summarize
-from core.loading import load_model
-from core.prompt import build_prompt
+from ctxpatch.core.compare import Settings, iter_token_patches, summarize
+from ctxpatch.core.loading import load_model
+from ctxpatch.core.prompt import build_prompt
 
 MARS = ("Write a single-sentence weather forecast for Mars, from the perspective of a slightly "
         "annoyed robot:")

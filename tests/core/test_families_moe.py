@@ -17,12 +17,12 @@ import torch
 from tiny import tiny_config, tiny_loaded
 from tiny_moe import FAMILIES
 
-from core.adapters.base import SharedExpert
-from core.compare import Settings, iter_token_patches
-from core.engine_moe import experts_view
-from core.forward import last_logits
-from core.prompt import build_prompt
-from core.verify import materialized, patches_of_steps
+from ctxpatch.core.adapters.base import SharedExpert
+from ctxpatch.core.compare import Settings, iter_token_patches
+from ctxpatch.core.engine_moe import experts_view
+from ctxpatch.core.forward import last_logits
+from ctxpatch.core.prompt import build_prompt
+from ctxpatch.core.verify import materialized, patches_of_steps
 
 CONTEXT = "The quick brown fox jumps over the lazy dog."
 QUERY = "Hello world!"
@@ -186,8 +186,8 @@ def test_gemma4_moe_is_exact_and_its_saved_patches_verify(absorb: str, scope: st
     experts' own pre-norm, the dense MLP's gate and up; ``post_feedforward_layernorm``'s scale
     alone absorbs ``dv`` (no expert's ``down_proj`` is patched); plain transformers with the
     saved patches written in reproduce the full context, with the same routing."""
-    from core.export import save_patches
-    from core.verify import read_patches, verify_patches
+    from ctxpatch.core.export import save_patches
+    from ctxpatch.core.verify import read_patches, verify_patches
 
     loaded = _gemma4_moe()
     settings = Settings(max_new_tokens=TOKENS, absorb=absorb, scope=scope, keep_patches=True)
@@ -227,7 +227,7 @@ def test_gemma4_moe_needs_the_router_and_expert_patches() -> None:
     """Negative controls: the saved patches without the routers' or without the experts'
     slices do not verify; experts patched on the router's input instead of their own pre-norm
     (``experts_own_input`` off) are not exact; nor is the run without its output control."""
-    from core.verify import verify_patches
+    from ctxpatch.core.verify import verify_patches
 
     loaded = _gemma4_moe()
     prompt = build_prompt(loaded.tokenizer, CONTEXT, QUERY)

@@ -1,6 +1,6 @@
 """The supported families are named from the adapter registry: the README's table and
 `ctxpatch compare --help` list every registered model type, and the README's table is exactly
-the generated one (regenerate with ``python -m core.adapters README.md``)."""
+the generated one (regenerate with ``python -m ctxpatch.core.adapters README.md``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import main
-from core.adapters import README_MARKERS, REGISTRY, families_markdown, readme_with_families
+from ctxpatch.app.cli import main
+from ctxpatch.core.adapters import README_MARKERS, REGISTRY, families_markdown, readme_with_families
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -19,7 +19,7 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 def test_readme_table_is_the_generated_one():
     text = README.read_text(encoding="utf-8")
     assert all(marker in text for marker in README_MARKERS)
-    assert readme_with_families(text) == text, "run: python -m core.adapters README.md"
+    assert readme_with_families(text) == text, "run: python -m ctxpatch.core.adapters README.md"
 
 
 def test_generated_table_names_every_model_type_once():
@@ -48,7 +48,7 @@ def test_readme_without_markers_is_refused():
 def _parsers():  # type: ignore[no-untyped-def]
     import argparse
 
-    from app.cli import build_parser
+    from ctxpatch.app.cli import build_parser
 
     root = build_parser()
     yield "ctxpatch", root
@@ -67,7 +67,7 @@ def test_every_help_example_parses():
     """The examples under each command's help are command lines its own parser accepts."""
     import shlex
 
-    from app.cli import build_parser
+    from ctxpatch.app.cli import build_parser
 
     for name, parser in _parsers():
         epilog = (parser.epilog or "").replace("\\\n", " ")

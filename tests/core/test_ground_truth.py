@@ -14,11 +14,11 @@ import pytest
 import torch
 from tiny import TINY, gemma3_config, tiny_config, tiny_loaded
 
-from core.compare import Settings, iter_token_patches
-from core.export import save_patches
-from core.prompt import build_prompt
-from core.results import conditioning
-from core.verify import read_patches, verify_patches
+from ctxpatch.core.compare import Settings, iter_token_patches
+from ctxpatch.core.export import save_patches
+from ctxpatch.core.prompt import build_prompt
+from ctxpatch.core.results import conditioning
+from ctxpatch.core.verify import read_patches, verify_patches
 
 CONTEXT = "The quick brown fox jumps over the lazy dog."
 QUERY = "Hello world!"
@@ -201,7 +201,7 @@ def test_a_saved_moe_model_loads_and_runs_in_float64(tmp_path) -> None:  # type:
     """Loading picks the eager experts for float64 (the grouped kernel refuses it)."""
     from tiny import save_tiny_folder
 
-    from core.loading import load_model
+    from ctxpatch.core.loading import load_model
 
     save_tiny_folder(tmp_path, tiny_config("mixtral"))
     loaded = load_model(str(tmp_path), dtype="float64", device="cpu")
@@ -215,7 +215,7 @@ def test_a_saved_moe_model_loads_and_runs_in_float64(tmp_path) -> None:  # type:
 def test_without_the_control_the_patched_run_is_unchanged(loaded, absorb: str, scope: str) -> None:  # type: ignore[no-untyped-def]
     """``Settings.control`` off skips the third forward (scope query still builds the reduced
     prefix cache the patched pass needs): the patched side is the same, the control empty."""
-    from core.compare import NO_CONTROL, summarize
+    from ctxpatch.core.compare import NO_CONTROL, summarize
 
     _, _, on = _run(loaded, absorb=absorb, scope=scope)
     _, _, off = _run(loaded, absorb=absorb, scope=scope, control=False)

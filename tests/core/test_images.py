@@ -14,13 +14,13 @@ import pytest
 import torch
 from tiny import IMAGE_SIZE, tiny_image_loaded
 
-from core.compare import Settings, iter_token_patches
-from core.errors import UserError
-from core.export import save_patches
-from core.images import read_image
-from core.prompt import build_prompt, check_prompt
-from core.verify import image_pixels, read_patches, recorded_image, verify_patches
-from resources import sample_image_path
+from ctxpatch.core.compare import Settings, iter_token_patches
+from ctxpatch.core.errors import UserError
+from ctxpatch.core.export import save_patches
+from ctxpatch.core.images import read_image
+from ctxpatch.core.prompt import build_prompt, check_prompt
+from ctxpatch.core.verify import image_pixels, read_patches, recorded_image, verify_patches
+from ctxpatch.resources import sample_image_path
 
 QUERY = "Hello world!"
 CONTEXT = "The quick brown fox"
@@ -171,7 +171,7 @@ def test_formats_and_gif_first_frame(tmp_path: Path) -> None:
 def test_the_baseline_is_plain_generation_with_the_image(loaded, picture) -> None:  # type: ignore[no-untyped-def]
     """The comparison's full-context side (one cached step per token, the pixels in the first)
     makes the tokens transformers' own generate makes from the same inputs."""
-    from core.images import vision_kwargs
+    from ctxpatch.core.images import vision_kwargs
 
     prompt, _, steps = _steps(loaded, picture, context=CONTEXT)
     ids = torch.tensor([list(prompt.full_ids)])

@@ -12,20 +12,20 @@ import pytest
 import torch
 from tiny_images import FAMILIES, save_family_folder
 
-from core.compare import Settings, iter_token_patches
-from core.errors import UserError
-from core.export import save_patches
-from core.images import read_image, vision_kwargs
-from core.loading import load_model
-from core.prompt import build_prompt
-from core.verify import (
+from ctxpatch.core.compare import Settings, iter_token_patches
+from ctxpatch.core.errors import UserError
+from ctxpatch.core.export import save_patches
+from ctxpatch.core.images import read_image, vision_kwargs
+from ctxpatch.core.loading import load_model
+from ctxpatch.core.prompt import build_prompt
+from ctxpatch.core.verify import (
     image_pixels,
     materialized,
     read_patches,
     recorded_image,
     verify_patches,
 )
-from resources import sample_image_path
+from ctxpatch.resources import sample_image_path
 
 QUERY = "Hello world!"
 CONTEXT = "The quick brown fox"
@@ -37,7 +37,7 @@ def _missing(kind: str) -> str | None:
     """Why a family cannot run here, if it cannot."""
     import importlib.util
 
-    from core.adapters import REGISTRY
+    from ctxpatch.core.adapters import REGISTRY
 
     if kind.startswith("qwen2") and f"{kind}_text" not in REGISTRY:
         return f"the Llama / Qwen adapter does not list {kind}_text (core/adapters/llama.py)"
@@ -120,7 +120,7 @@ def test_the_pixels_matter(loaded, picture) -> None:  # type: ignore[no-untyped-
 
 
 def test_chat_template_with_image(loaded, picture) -> None:  # type: ignore[no-untyped-def]
-    from core.images import image_marker
+    from ctxpatch.core.images import image_marker
 
     marker = image_marker(loaded.processor)
     loaded.processor.chat_template = (
@@ -140,7 +140,7 @@ def test_chat_template_with_image(loaded, picture) -> None:  # type: ignore[no-u
 def test_saved_patches_verify_with_the_image(loaded, folder, picture, scope, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]
                                              ) -> None:  # type: ignore[no-untyped-def]
-    from app.cli import main
+    from ctxpatch.app.cli import main
 
     prompt, settings, steps = _steps(loaded, picture, context=CONTEXT, scope=scope,
                                      keep_patches=True)
@@ -181,7 +181,7 @@ def test_unsupported_image_text_family_names_the_supported_ones(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from transformers import AutoConfig
 
-    from app.cli import main
+    from ctxpatch.app.cli import main
 
     AutoConfig.for_model("llava_onevision").save_pretrained(tmp_path)
     assert main(["compare", "--model", str(tmp_path), "--image", str(sample_image_path()),

@@ -11,13 +11,13 @@ import pytest
 import torch
 from tiny import gemma3_config, save_tiny_folder, tiny_config
 
-from core.compare import Settings, iter_token_patches
-from core.errors import UserError
-from core.export import save_patches
-from core.loading import load_model
-from core.placement import Placement, parse_max_memory
-from core.prompt import build_prompt
-from core.verify import read_patches, verify_patches
+from ctxpatch.core.compare import Settings, iter_token_patches
+from ctxpatch.core.errors import UserError
+from ctxpatch.core.export import save_patches
+from ctxpatch.core.loading import load_model
+from ctxpatch.core.placement import Placement, parse_max_memory
+from ctxpatch.core.prompt import build_prompt
+from ctxpatch.core.verify import read_patches, verify_patches
 
 CONTEXT, QUERY, TOKENS = "The quick brown fox jumps over the lazy dog.", "Hello world!", 4
 
@@ -81,7 +81,7 @@ def test_offloaded_equals_whole(pair, method, absorb, scope) -> None:  # type: i
 
 
 def test_the_controllability_plan_reads_offloaded_scales(pair) -> None:  # type: ignore[no-untyped-def]
-    from core.controllability import plan
+    from ctxpatch.core.controllability import plan
 
     whole, placed = pair
     assert plan(placed, Settings()) == plan(whole, Settings())
@@ -127,7 +127,7 @@ def test_the_memory_estimate_counts_weights_and_the_run_caches(folder: Path) -> 
     values per token each)."""
     import json
 
-    from core.footprint import estimate
+    from ctxpatch.core.footprint import estimate
 
     loaded = load_model(str(folder), dtype="float64", device="cpu")
     params = sum(p.numel() for p in loaded.model.parameters())  # tied weights once
@@ -142,7 +142,7 @@ def test_the_memory_estimate_counts_weights_and_the_run_caches(folder: Path) -> 
 
 def test_command_line_placement(capsys: pytest.CaptureFixture[str], folder: Path, pair,  # type: ignore[no-untyped-def]
                                 tmp_path: Path) -> None:
-    from app.cli import main
+    from ctxpatch.app.cli import main
 
     argv = ["compare", "--model", str(folder), "--context", CONTEXT, "--query", QUERY,
             "--max-new-tokens", "3", "--quiet", "--dtype", "float64",

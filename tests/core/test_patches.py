@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from core.patches import (
+from ctxpatch.core.patches import (
     matrix_output_patch,
     rank1_input_patch,
     reachable_shift_bound,

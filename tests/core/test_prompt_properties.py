@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny import tiny_tokenizer
 
-from core.errors import UserError
-from core.prompt import build_prompt, check_prompt, reduced_sequence
+from ctxpatch.core.errors import UserError
+from ctxpatch.core.prompt import build_prompt, check_prompt, reduced_sequence
 
 TOK = tiny_tokenizer()
 # any Unicode (combining marks, right-to-left, emoji, NUL), but no surrogates

