@@ -379,7 +379,8 @@ def run_bench(args: argparse.Namespace) -> int:
                               "prompt_tokens": len(prompt.full_ids)}
     result.update(measure_time(loaded, prompt, settings, args.repeats, say))
     print(f"generate {result['generate_s']:.2f} s, compare {result['compare_s']:.2f} s "
-          f"(medians of {args.repeats}): time ratio {result['time_ratio']:.2f}")
+          f"(medians of {args.repeats}): time ratio {result['time_ratio']:.2f}, "
+          f"{result['syncs_per_token']:.1f} host syncs per token")
     if not args.no_memory:
         say("measuring peak memory in child processes")
         spec = {"model": args.model, "dtype": args.dtype, "device": args.device,

@@ -10,7 +10,7 @@ import logging
 import traceback
 from typing import Any
 
-from PySide6.QtWidgets import QFileDialog
+from ctxpatch.app import dialogs
 
 log = logging.getLogger("ctxpatch")
 #: session files larger than this open on the worker (about 300 tokens a megabyte: a 9,000-token
@@ -54,8 +54,7 @@ class WindowFiles:
         if getattr(self.state.started, "record", None) is not None:
             return self.state.started.record  # a run reopened from a session
         from ctxpatch.core.compare import Settings
-        from ctxpatch.core.controllability import record_section
-        from ctxpatch.core.export import run_record
+        from ctxpatch.core.runs import record_of
 
         started = self.state.started
         extras = ("context", "query", "chat_template", "image")
@@ -63,11 +62,8 @@ class WindowFiles:
         extra = {k: started.settings[k] for k in extras if k in started.settings}
         extra.update(model=started.model.get("id"), dtype=started.model.get("dtype"),
                      device=started.model.get("device"))
-        record = run_record(started.model, started.prompt, Settings.from_dict(known),
-                            self.state.steps, extra)
-        if started.plan:
-            record["controllability"] = record_section(started.plan, self.state.steps)
-        return record
+        return record_of(started.model, started.prompt, Settings.from_dict(known),
+                         self.state.steps, extra, started.plan or None)
 
     def export(self, kind: str, path: str | None = None) -> bool:
         """Write the current run as JSON, CSV or a report (HTML, or PDF by the file's suffix);
@@ -81,7 +77,7 @@ class WindowFiles:
                        "report": "HTML report (*.html);;PDF report (*.pdf)"}
             default = {"json": "ctxpatch-run.json", "csv": "ctxpatch-run.csv",
                        "report": "ctxpatch-report.html"}[kind]
-            path, _ = QFileDialog.getSaveFileName(self, "Export", default, filters[kind])
+            path = dialogs.save_file(self, "export", "Export", default, filters[kind])
             if not path:
                 return False
         from ctxpatch.core.errors import UserError
@@ -184,8 +180,8 @@ class WindowFiles:
 
     def save_session(self, path: str | None = None) -> bool:
         if path is None:
-            path, _ = QFileDialog.getSaveFileName(self, "Save session", "ctxpatch-session.json",
-                                                  "ctxpatch session (*.json)")
+            path = dialogs.save_file(self, "session", "Save session", "ctxpatch-session.json",
+                                     "ctxpatch session (*.json)")
             if not path:
                 return False
         from ctxpatch.app.session import save_session
@@ -208,8 +204,8 @@ class WindowFiles:
             self.show_error("a job is running: cancel it (Esc) before opening a session")
             return False
         if path is None:
-            path, _ = QFileDialog.getOpenFileName(self, "Open session", "",
-                                                  "ctxpatch session (*.json)")
+            path = dialogs.open_file(self, "session", "Open session",
+                                     "ctxpatch session (*.json)")
             if not path:
                 return False
         import os

@@ -16,7 +16,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -47,6 +48,44 @@ def _sync(loaded: Any) -> None:
         torch.cuda.synchronize(loaded.device)
 
 
+#: the tensor methods that copy a value to the host (on a GPU each one waits for the device)
+HOST_SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy")
+
+
+@contextmanager
+def counting_host_syncs() -> Iterator[list[int]]:
+    """Count the calls that copy a tensor's value to the host while the block runs (ours,
+    transformers' and torch's alike); yields a one-item list holding the count. The tensor
+    methods are wrapped for the block only and restored in ``finally``."""
+    import torch
+
+    count = [0]
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_SYNCS}
+
+    def counted(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            count[0] += 1
+            return original(self, *args, **kwargs)
+
+        return call
+
+    try:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, counted(original))
+        yield count
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def syncs_per_token(loaded: Any, prompt: Any, settings: Any) -> float:
+    """Host syncs per generated token of one comparison (after a warm-up run has filled the
+    run's one-time caches, such as the parameters' norms)."""
+    with counting_host_syncs() as count:
+        _compare(loaded, prompt, settings)
+    return count[0] / settings.max_new_tokens
+
+
 def measure_time(loaded: Any, prompt: Any, settings: Any, repeats: int,
                  say: Callable[[str], None]) -> dict[str, Any]:
     runs: dict[str, list[float]] = {"generate": [], "compare": []}
@@ -64,7 +103,8 @@ def measure_time(loaded: Any, prompt: Any, settings: Any, repeats: int,
         say(f"repeat {k + 1}/{repeats}: generate {runs['generate'][-1]:.2f} s, "
             f"compare {runs['compare'][-1]:.2f} s")
     g, c = statistics.median(runs["generate"]), statistics.median(runs["compare"])
-    return {"generate_s": g, "compare_s": c, "time_ratio": c / g,
+    syncs = syncs_per_token(loaded, prompt, settings)
+    return {"generate_s": g, "compare_s": c, "time_ratio": c / g, "syncs_per_token": syncs,
             "per_token_generate_s": g / settings.max_new_tokens,
             "per_token_compare_s": c / settings.max_new_tokens, "runs": runs}
 

@@ -29,7 +29,7 @@ from ctxpatch.core.engine import (
     recording,
 )
 from ctxpatch.core.errors import Cancelled, UserError
-from ctxpatch.core.forward import extend_cache, last_logits, logit_distance
+from ctxpatch.core.forward import extend_cache, last_logits
 from ctxpatch.core.loading import LoadedModel
 from ctxpatch.core.offload import resident
 from ctxpatch.core.patches import Delta, Rank1
@@ -148,29 +148,70 @@ def parse_layers(spec: str, n: int | None) -> list[int]:
     return sorted(chosen)
 
 
+class _Host:
+    """The values a step shows, gathered on the model's device and brought to the host in one
+    transfer (on a GPU each ``float()`` or ``int()`` of a tensor stalls the pipeline)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.parts: list[torch.Tensor] = []
+        self.size = 0
+        self.values: list[float] = []
+
+    def add(self, x: Any) -> Any:
+        """Queue a tensor (any shape) or pass a Python number through; returns a key for `get`."""
+        if not isinstance(x, torch.Tensor):
+            return ("value", x)
+        flat = x.detach().reshape(-1).to(self.device, torch.float64)
+        key = ("slice", self.size, self.size + flat.numel())
+        self.parts.append(flat)
+        self.size += flat.numel()
+        return key
+
+    def fetch(self) -> None:
+        self.values = torch.cat(self.parts).tolist() if self.parts else []
+
+    def get(self, key: Any) -> Any:
+        """The value (a float) or values (a list) queued under ``key``."""
+        if key[0] == "value":
+            return key[1]
+        _, start, stop = key
+        return self.values[start] if stop == start + 1 else self.values[start:stop]
+
+
 def _decode(tokenizer: Any, token: int) -> str:
     return str(tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
 
-def _top_k(tokenizer: Any, probs: torch.Tensor, k: int) -> TopK:
+def _queue_top_k(host: _Host, probs: torch.Tensor, k: int) -> tuple[Any, Any]:
     p, i = probs.topk(k)
-    ids = tuple(int(x) for x in i)
-    return TopK(ids, tuple(_decode(tokenizer, x) for x in ids), tuple(float(x) for x in p))
+    return host.add(i), host.add(p)
 
 
-def _side(tokenizer: Any, logits: torch.Tensor, base: torch.Tensor, base_probs: torch.Tensor,
-          k: int) -> Side:
-    token = int(logits.argmax())
+def _top_k(tokenizer: Any, host: _Host, keys: tuple[Any, Any]) -> TopK:
+    ids = [int(x) for x in _as_list(host.get(keys[0]))]
+    probs = [float(x) for x in _as_list(host.get(keys[1]))]
+    return TopK(tuple(ids), tuple(_decode(tokenizer, x) for x in ids), tuple(probs))
+
+
+def _as_list(x: Any) -> list[Any]:
+    return x if isinstance(x, list) else [x]
+
+
+def _queue_side(host: _Host, logits: torch.Tensor, base: torch.Tensor, base_probs: torch.Tensor,
+                k: int) -> dict[str, Any]:
     probs = torch.softmax(logits, -1)  # once per side per step
-    match, linf, tvd = logit_distance(logits, base, base_probs, probs)
-    return Side(
-        token=token,
-        text=_decode(tokenizer, token),
-        match=match,
-        linf=linf,
-        tvd=tvd,
-        top_k=_top_k(tokenizer, probs, k),
-    )
+    return {"token": host.add(logits.argmax()), "base": host.add(base.argmax()),
+            "linf": host.add((logits - base).abs().max()),
+            "tvd": host.add(0.5 * (probs - base_probs).abs().sum()),
+            "top": _queue_top_k(host, probs, k)}
+
+
+def _side(tokenizer: Any, host: _Host, keys: dict[str, Any]) -> Side:
+    token = int(host.get(keys["token"]))
+    return Side(token=token, text=_decode(tokenizer, token),
+                match=token == int(host.get(keys["base"])), linf=float(host.get(keys["linf"])),
+                tvd=float(host.get(keys["tvd"])), top_k=_top_k(tokenizer, host, keys["top"]))
 
 
 class _Norms:
@@ -181,17 +222,29 @@ class _Norms:
         self.offset, self.scale_names = norm_offset, scale_names
         self.cache: dict[str, tuple[float, float]] = {}
 
+    def _measures(self, name: str) -> torch.Tensor:
+        base, _, index = name.partition("[")
+        owner, _, leaf = base.rpartition(".")
+        p = resident(self.modules[owner], leaf).detach()
+        p = (p[int(index.rstrip("]"))] if index else p).double()
+        if name in self.scale_names:
+            p = p + self.offset  # relative to the effective scale m = offset + weight
+        top = p.abs().max() if p.numel() else p.new_zeros(())
+        return torch.stack([p.norm(), top])
+
+    def prefetch(self, names: Any) -> None:
+        """Measure every parameter of ``names`` not measured yet, in one transfer."""
+        todo = [n for n in dict.fromkeys(names) if n not in self.cache]
+        if todo:
+            measures = [self._measures(n) for n in todo]
+            device = measures[0].device  # (layers may sit on several devices: one of them)
+            values = torch.stack([m.to(device) for m in measures]).tolist()
+            self.cache.update({n: (v[0], v[1]) for n, v in zip(todo, values, strict=True)})
+
     def of(self, name: str) -> tuple[float, float]:
         """(norm, largest absolute entry) of a parameter, or of slice ``e`` for a name
         ``param[e]`` (MoE experts); a post-norm scale counts as ``m = offset + weight``."""
-        if name not in self.cache:
-            base, _, index = name.partition("[")
-            owner, _, leaf = base.rpartition(".")
-            p = resident(self.modules[owner], leaf).detach()
-            p = (p[int(index.rstrip("]"))] if index else p).double()
-            if name in self.scale_names:
-                p = p + self.offset  # relative to the effective scale m = offset + weight
-            self.cache[name] = (float(p.norm()), float(p.abs().max()) if p.numel() else 0.0)
+        self.prefetch([name])
         return self.cache[name]
 
 
@@ -199,24 +252,46 @@ def _ratio(x: float, ref: float) -> float:
     return x / ref if ref else (0.0 if x == 0 else math.inf)
 
 
-def _patch_norms(lp: LayerPatch, norms: _Norms) -> dict[str, dict[str, float]]:
+def _queue_patch_norms(host: _Host, lp: LayerPatch) -> dict[str, dict[str, Any]]:
+    """Per patched parameter, its measures queued for the host: Frobenius norm and largest
+    entry of a rank-1 patch, L2 and largest entry of a delta."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, patch in lp.patches.items():
+        if isinstance(patch, Rank1):
+            out[name] = {"frobenius": host.add(patch.u.norm() * patch.a.norm()),
+                         "top": host.add(patch.u.abs().max() * patch.a.abs().max())}
+        else:
+            out[name] = {"l2": host.add(patch.delta.norm()),
+                         "linf": host.add(patch.delta.abs().max())}
+    return out
+
+
+def _patch_norms(host: _Host, keys: dict[str, dict[str, Any]], norms: _Norms
+                 ) -> dict[str, dict[str, float]]:
     """Per patched parameter: its norms, ``relative`` (norm over the parameter's norm) and
     ``entry_ratio`` (largest patch entry over the parameter's largest entry: what decides
     whether the patched weights survive rounding in their own precision)."""
     out: dict[str, dict[str, float]] = {}
-    for name, patch in lp.patches.items():
+    for name, k in keys.items():
         ref, ref_max = norms.of(name)
-        if isinstance(patch, Rank1):
-            fro = patch.frobenius()
-            top = float(patch.u.abs().max() * patch.a.abs().max())
+        if "frobenius" in k:
+            fro, top = float(host.get(k["frobenius"])), float(host.get(k["top"]))
             out[name] = {"frobenius": fro, "relative": _ratio(fro, ref),
                          "entry_ratio": _ratio(top, ref_max)}
         else:
-            l2 = float(patch.delta.norm())
-            linf = float(patch.delta.abs().max())
+            l2, linf = float(host.get(k["l2"])), float(host.get(k["linf"]))
             out[name] = {"l2": l2, "linf": linf, "relative": _ratio(l2, ref),
                          "entry_ratio": _ratio(linf, ref_max)}
     return out
+
+
+#: `LayerPatch` fields shown per layer, with their Python types
+_LAYER_FIELDS = {"shift_norm": float, "block_error": float, "div_by_one": int, "hard_case": bool,
+                 "zero_z": bool, "zero_h": bool, "zero_s": bool, "nonfinite": bool}
+
+
+def _queue_layer(host: _Host, lp: LayerPatch) -> dict[str, Any]:
+    return {f: host.add(getattr(lp, f)) for f in _LAYER_FIELDS}
 
 
 def _patch_arrays(lps: dict[int, LayerPatch], transposed: bool) -> dict[str, np.ndarray]:
@@ -375,25 +450,37 @@ def iter_token_patches(
                 else:
                     ctrl = last_logits(model, red_ids, device, positions=red_pos)
                 t3 = time.perf_counter()
-                if settings.on_fault == "stop":
-                    _check_finite(step, base, patched, ctrl, lps, loaded.dtype)
+                # everything the step shows crosses to the host in one transfer
+                host = _Host(base.device)
+                faults = _queue_faults(host, base, patched, ctrl, lps)
                 base_probs = torch.softmax(base, -1)
-                token = int(base.argmax())
+                base_keys = (host.add(base.argmax()), host.add(base.abs().max()),
+                             _queue_top_k(host, base_probs, settings.top_k))
+                sides = [None if logits is None else
+                         _queue_side(host, logits, base, base_probs, settings.top_k)
+                         for logits in (patched, ctrl)]
+                norm_keys = {i: _queue_patch_norms(host, lp) for i, lp in lps.items()}
+                layer_keys = {i: _queue_layer(host, lp) for i, lp in lps.items()}
+                host.fetch()
+                if settings.on_fault == "stop":
+                    _check_finite(step, host, faults, loaded.dtype)
+                token = int(host.get(base_keys[0]))
+                norms.prefetch(name for k in norm_keys.values() for name in k)
+                pn = {i: _patch_norms(host, k, norms) for i, k in norm_keys.items()}
                 yield StepResult(
                     step=step,
                     position=len(full) + len(history) - 1,
                     baseline_token=token,
                     baseline_text=_decode(tok, token),
-                    baseline_top_k=_top_k(tok, base_probs, settings.top_k),
-                    logit_scale=float(base.abs().max()),
-                    patched=_side(tok, patched, base, base_probs, settings.top_k),
-                    control=(NO_CONTROL if ctrl is None else
-                             _side(tok, ctrl, base, base_probs, settings.top_k)),
+                    baseline_top_k=_top_k(tok, host, base_keys[2]),
+                    logit_scale=float(host.get(base_keys[1])),
+                    patched=_side(tok, host, sides[0]),
+                    control=NO_CONTROL if sides[1] is None else _side(tok, host, sides[1]),
                     full_input_ids=tuple(full + history),
                     reduced_input_ids=tuple(red_ids),
                     reduced_position_ids=tuple(red_pos) if red_pos is not None else None,
-                    patch_norms=(pn := {i: _patch_norms(lp, norms) for i, lp in lps.items()}),
-                    layer_info={i: _layer_info(lp, pn[i]) for i, lp in lps.items()},
+                    patch_norms=pn,
+                    layer_info={i: _layer_info(host, k, pn[i]) for i, k in layer_keys.items()},
                     seconds={"baseline": t1 - t0, "patched": t2 - t1, "control": t3 - t2},
                     patches=_patch_arrays(lps, adapter.transposed) if settings.keep_patches else None,
                 )
@@ -405,38 +492,39 @@ def iter_token_patches(
         return
 
 
-def _check_finite(step: int, base: torch.Tensor, patched: torch.Tensor, ctrl: torch.Tensor | None,
-                  lps: dict[int, LayerPatch], dtype: torch.dtype) -> None:
+def _queue_faults(host: _Host, base: torch.Tensor, patched: torch.Tensor,
+                  ctrl: torch.Tensor | None, lps: dict[int, LayerPatch]) -> dict[str, Any]:
+    return {"base": host.add(~torch.isfinite(base).all()),
+            "layers": {i: host.add(lp.nonfinite) for i, lp in lps.items()},
+            "patched": host.add(~torch.isfinite(patched).all()),
+            "control": None if ctrl is None else host.add(~torch.isfinite(ctrl).all())}
+
+
+def _check_finite(step: int, host: _Host, keys: dict[str, Any], dtype: torch.dtype) -> None:
     """A NaN or infinity stops the run at the step and layer where it appeared, in one line."""
     hint = (f"in {str(dtype).removeprefix('torch.')}: try float32 or bfloat16, or method "
             "'stable'; or continue past faults (on_fault 'continue')")
     where = f"numerical fault at token {step + 1}"
-    if not torch.isfinite(base).all():
+    if host.get(keys["base"]):
         raise UserError(f"{where}: the model's own full-context logits are NaN or infinite "
                         f"{hint}")
-    bad = sorted(i for i, lp in lps.items() if lp.nonfinite)
+    bad = sorted(i for i, k in keys["layers"].items() if host.get(k))
     if bad:
         raise UserError(f"{where}, layer {bad[0]}: a patch vector is NaN or infinite {hint}")
-    if not torch.isfinite(patched).all():
+    if host.get(keys["patched"]):
         raise UserError(f"{where}: the patched logits are NaN or infinite {hint}")
-    if ctrl is not None and not torch.isfinite(ctrl).all():
+    if keys["control"] is not None and host.get(keys["control"]):
         raise UserError(f"{where}: the unpatched control's logits are NaN or infinite {hint}")
 
 
-def _layer_info(lp: LayerPatch, norms: dict[str, dict[str, float]]) -> dict[str, Any]:
+def _layer_info(host: _Host, keys: dict[str, Any], norms: dict[str, dict[str, float]]
+                ) -> dict[str, Any]:
     ratio = max((v["entry_ratio"] for v in norms.values()), default=0.0)
-    return {
-        "entry_ratio": ratio,
-        "unbounded": ratio > ENTRY_BOUND,
-        "shift_norm": lp.shift_norm,
-        "block_error": lp.block_error,
-        "div_by_one": lp.div_by_one,
-        "hard_case": lp.hard_case,
-        "zero_z": lp.zero_z,
-        "zero_h": lp.zero_h,
-        "zero_s": lp.zero_s,
-        "nonfinite": lp.nonfinite,
-    }
+    info: dict[str, Any] = {"entry_ratio": ratio, "unbounded": ratio > ENTRY_BOUND}
+    for f, kind in _LAYER_FIELDS.items():
+        value = host.get(keys[f])
+        info[f] = kind(value) if not (kind is float and value is None) else math.nan
+    return info
 
 
 __all__ = [

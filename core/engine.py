@@ -41,6 +41,7 @@ from ctxpatch.core.patches import (
     Delta,
     Patch,
     Rank1,
+    either,
     matrix_output_patch,
     rank1_input_patch,
     rms_normalize,
@@ -69,18 +70,23 @@ class LayerTargets:
 
 @dataclass
 class LayerPatch:
-    """What one layer's patch is and how its construction went."""
+    """What one layer's patch is and how its construction went.
+
+    The measures and flags may be 0-d tensors on the model's device (the hot path decides
+    nothing on the host); `core.compare` brings a step's values over in one transfer.
+    """
 
     layer: int
     patches: dict[str, Patch] = field(default_factory=dict)  # parameter name -> patch
-    shift_norm: float = 0.0  # |dv| (L2)
-    zero_z: bool = False  # an input matrix saw z = 0: no input patch possible
-    zero_h: bool = False  # the output matrix saw h = 0: no output patch possible
-    div_by_one: int = 0  # scale-patch coordinates with N(h)_j = 0
-    hard_case: bool = False  # stable update: the secular equation had no interior root
-    zero_s: bool = False  # MoE: the active routing weights summed to 0, no expert can absorb dv
-    nonfinite: bool = False  # a patch vector came out NaN or infinite
-    block_error: float = float("nan")  # max |T - T_C| at the query after patching
+    shift_norm: Any = 0.0  # |dv| (L2)
+    zero_z: Any = False  # an input matrix saw z = 0: no input patch possible
+    zero_h: Any = False  # the output matrix saw h = 0: no output patch possible
+    div_by_one: Any = 0  # scale-patch coordinates with N(h)_j = 0
+    hard_case: Any = False  # stable update: the secular equation had no interior root
+    zero_s: Any = False  # MoE: the active routing weights summed to 0, no expert can absorb dv
+    nonfinite: Any = False  # a patch vector came out NaN or infinite
+    block_error: Any = float("nan")  # max |T - T_C| at the query after patching
+
 
 
 @dataclass(frozen=True)
@@ -232,6 +238,7 @@ class _LayerPatcher(MoEHooks):
         self.result = LayerPatch(layer=index)
         self.v_parts: list[Tensor] = []
         self.g: Tensor | None = None  # stable: target branch output
+        self.shifted = False  # dv was measured (`_shift`)
 
     def _name(self, module: nn.Module, param: str) -> str:
         return f"{self.names[id(module)]}.{param}"
@@ -241,22 +248,22 @@ class _LayerPatcher(MoEHooks):
         return x if st is None or st == x.dtype else x.to(st).to(x.dtype)
 
     def _rank1(self, r: Rank1) -> Rank1:
-        out = Rank1(self._stored(r.u), self._stored(r.a))
-        if not (torch.isfinite(out.u).all() and torch.isfinite(out.a).all()):
-            self.result.nonfinite = True
+        out = Rank1(self._stored(r.u), self._stored(r.a), r.void)
+        finite = torch.isfinite(out.u).all() & torch.isfinite(out.a).all()
+        self.result.nonfinite = either(self.result.nonfinite, ~finite)
         return out
 
     def _delta(self, d: Tensor) -> Delta:
         d = self._stored(d)
-        if not torch.isfinite(d).all():
-            self.result.nonfinite = True
+        self.result.nonfinite = either(self.result.nonfinite, ~torch.isfinite(d).all())
         return Delta(d)
 
     def _shift(self) -> Tensor:
         """``dv = v_C - v`` at the query."""
         v = torch.stack(self.v_parts).sum(0)
         dv = self.t.v - v
-        self.result.shift_norm = float(dv.norm())
+        self.result.shift_norm = dv.norm()
+        self.shifted = True
         return dv
 
     def keep_v(self, x: Tensor) -> None:
@@ -272,9 +279,7 @@ class _LayerPatcher(MoEHooks):
             x, y = args[0], first_output(output)
             q = self.dtype
             r = rank1_input_patch(self.t.inputs[role], query_row(y, q), query_row(x, q))
-            if r is None:
-                self.result.zero_z = True
-                return None
+            self.result.zero_z = either(self.result.zero_z, r.void)  # (then a = 0: no change)
             r = self._rank1(r)
             self.result.patches[self._name(module, "weight")] = r
             return replace_output(output, rank1_action(x, y, r, self.spec.last_only))
@@ -310,9 +315,7 @@ class _LayerPatcher(MoEHooks):
         else:
             return None
         r = matrix_output_patch(shift, query_row(x, self.dtype))
-        if r is None:
-            self.result.zero_h = True
-            return None
+        self.result.zero_h = either(self.result.zero_h, r.void)  # (then a = 0: no change)
         r = self._rank1(r)
         self.result.patches[self._name(module, "weight")] = r
         return replace_output(output, rank1_action(x, y, r, spec.last_only))
@@ -334,7 +337,7 @@ class _LayerPatcher(MoEHooks):
         dm, zeros = scale_patch(shift, n)
         patch = self._delta(dm)
         dm = patch.delta
-        self.result.div_by_one += zeros
+        self.result.div_by_one = self.result.div_by_one + zeros
         self.result.patches[self._name(module, "weight")] = patch
         weight = resident(module, "weight").detach().to(self.dtype) + dm
         patched = plain_call(module, {"weight": weight}, h)
@@ -347,11 +350,11 @@ class _LayerPatcher(MoEHooks):
         return replace_output(output, patched)
 
     def on_block(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if self.result.shift_norm == 0.0 and self.v_parts:  # output frozen: still measure |dv|
+        if not self.shifted and self.v_parts:  # output frozen: still measure |dv|
             self._shift()
         if self.t.block is not None:
             t = query_row(first_output(output), self.dtype)
-            self.result.block_error = float((t - self.t.block).abs().max())
+            self.result.block_error = (t - self.t.block).abs().max()
 
 
 @contextmanager

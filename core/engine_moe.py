@@ -48,7 +48,7 @@ from ctxpatch.core.activations import (
 from ctxpatch.core.adapters.base import ExpertsView, LayerSites, SharedExpert
 from ctxpatch.core.forward import written_
 from ctxpatch.core.offload import is_offloaded, plain_call, resident
-from ctxpatch.core.patches import Rank1, matrix_output_patch, rank1_input_patch
+from ctxpatch.core.patches import Rank1, either, matrix_output_patch, rank1_input_patch
 
 #: key in ``LayerTargets.inputs`` of the router's full-context input ``z_C`` (not a matrix output)
 ROUTER_Z = "moe.z"
@@ -152,9 +152,7 @@ class MoEHooks:
         w = resident(module, "weight").detach()
         wq = w.to(q)
         r = rank1_input_patch(wq @ self.t.inputs[ROUTER_Z], wq @ z, z)
-        if r is None:
-            self.result.zero_z = True
-            return None
+        self.result.zero_z = either(self.result.zero_z, r.void)  # (then a = 0: no change)
         r = self._rank1(r)
         self.result.patches[self._name(module, "weight")] = r
         weight = (w.to(r.u.dtype) + torch.outer(r.u, r.a)).to(w.dtype)
@@ -212,8 +210,7 @@ class MoEHooks:
             if use_input and z_c is not None:
                 r_in = self._expert_patch(module, gu_name, e, pairs, view,
                                           rank1_input_patch(w_e @ z_c, w_e @ z, z), "zero_z")
-                if r_in is not None:
-                    pre = pre + r_in.u * (r_in.a @ x_e)
+                pre = pre + r_in.u * (r_in.a @ x_e)
             if dv is not None:
                 h = _activation(module, pre)
                 self._expert_patch(module, "down_proj", e, pairs, view,
@@ -256,13 +253,12 @@ class MoEHooks:
         return replace_output(output, out)
 
     def _expert_patch(self, module: nn.Module, param: str, e: int,
-                      pairs: list[tuple[str, int, Tensor]], view: ExpertsView, r: Rank1 | None,
-                      zero_flag: str) -> Rank1 | None:
-        """Keep expert ``e``'s rank-1 patch of ``param`` (or note the failed condition); return it
-        rounded as kept, in (out, in) orientation."""
-        if r is None:
-            setattr(self.result, zero_flag, True)
-            return None
+                      pairs: list[tuple[str, int, Tensor]], view: ExpertsView, r: Rank1,
+                      zero_flag: str) -> Rank1:
+        """Keep expert ``e``'s rank-1 patch of ``param`` (noting a failed condition: then
+        ``a = 0``); return it rounded as kept, in (out, in) orientation."""
+        if r.void is not None:
+            setattr(self.result, zero_flag, either(getattr(self.result, zero_flag), r.void))
         r = self._rank1(r)
         stored = Rank1(r.a, r.u) if view.transposed else r  # u along the stored shape[0]
         self.result.patches[f"{self._name(module, param)}[{e}]"] = stored
@@ -289,9 +285,7 @@ class MoEHooks:
                 g = shared.gate_fn(self.t.inputs[_shared_key(k, "gate_value")]).reshape(())
             shift = self._shift() / (len(self.s.shared) * g * self.s.branch_scale)
             r = matrix_output_patch(shift, query_row(x, self.dtype))
-            if r is None:
-                self.result.zero_h = True
-                return None
+            self.result.zero_h = either(self.result.zero_h, r.void)  # (then a = 0: no change)
             r = self._rank1(r)
             self.result.patches[self._name(module, "weight")] = r
             return replace_output(output, rank1_action(x, y, r, self.spec.last_only))

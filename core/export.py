@@ -48,6 +48,11 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
         os.replace(tmp, target)
     except OSError as exc:
         raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
+    except Exception as exc:  # noqa: BLE001 - safetensors reports a full disk as its own error
+        if type(exc).__name__ != "SafetensorError":
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "write failed"
+        raise UserError(f"cannot write {path}: {first} (is the disk full?)") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

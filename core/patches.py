@@ -24,6 +24,7 @@ the stable update is always solved in float64.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -38,6 +39,9 @@ class Rank1:
 
     u: Tensor  # (out,)
     a: Tensor  # (in,)
+    #: a 0-d bool tensor, True when the construction's condition failed (``z = 0``, ``h = 0``):
+    #: then ``a = 0`` and the patch acts as nothing. A tensor, so deciding needs no host sync.
+    void: Tensor | None = None
 
     def frobenius(self) -> float:
         """``|outer(u, a)|_F = |u| |a|``."""
@@ -54,7 +58,21 @@ class Delta:
 Patch = Rank1 | Delta
 
 
-def rank1_input_patch(y_target: Tensor, y: Tensor, z: Tensor) -> Rank1 | None:
+def either(flag: Any, more: Any) -> Any:
+    """``flag or more`` for Python bools and 0-d bool tensors alike, without a host sync."""
+    if isinstance(flag, Tensor) or isinstance(more, Tensor):
+        return torch.logical_or(torch.as_tensor(flag), torch.as_tensor(more))
+    return bool(flag or more)
+
+
+def _along(u: Tensor, x: Tensor) -> Rank1:
+    """``Rank1(u, x / |x|^2)``; with ``x = 0``, ``a = 0`` and ``void`` set (no host sync)."""
+    xx = torch.dot(x, x)
+    void = xx <= 0
+    return Rank1(u=u, a=x / torch.where(void, torch.ones_like(xx), xx), void=void)
+
+
+def rank1_input_patch(y_target: Tensor, y: Tensor, z: Tensor) -> Rank1:
     """Rank-1 patch making a matrix map ``z`` to ``y_target`` (Theorem 1, Eqs. 2-3).
 
     Args:
@@ -63,26 +81,21 @@ def rank1_input_patch(y_target: Tensor, y: Tensor, z: Tensor) -> Rank1 | None:
         z: (in,) the reduced input.
 
     Returns:
-        ``Rank1(u = y_target - y, a = z / |z|^2)``, or None when ``z = 0`` (the paper's condition
-        fails: no rank-1 patch along ``z`` exists).
+        ``Rank1(u = y_target - y, a = z / |z|^2)``; when ``z = 0`` (the paper's condition fails:
+        no rank-1 patch along ``z`` exists) ``a = 0`` and ``void`` is True.
     """
-    zz = torch.dot(z, z)
-    if not bool(zz > 0):
-        return None
-    return Rank1(u=y_target - y, a=z / zz)
+    return _along(y_target - y, z)
 
 
-def matrix_output_patch(shift: Tensor, h: Tensor) -> Rank1 | None:
-    """Rank-1 output-matrix patch adding ``shift`` to ``W' h`` (Table 1, ``dW' = dv h^T/|h|^2``).
+def matrix_output_patch(shift: Tensor, h: Tensor) -> Rank1:
+    """Rank-1 output-matrix patch adding ``shift`` to ``W' h`` (Table 1, ``dW' = dv h^T/|h|^2``);
+    ``void`` (and ``a = 0``) when ``h = 0``.
 
     Args:
         shift: (out,) the residual shift to add, ``dv``.
         h: (in,) the matrix's input at the query (the gated activation for SwiGLU MLPs).
     """
-    hh = torch.dot(h, h)
-    if not bool(hh > 0):
-        return None
-    return Rank1(u=shift, a=h / hh)
+    return _along(shift, h)
 
 
 def rms_normalize(x: Tensor, eps: float) -> Tensor:
@@ -90,7 +103,7 @@ def rms_normalize(x: Tensor, eps: float) -> Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def scale_patch(shift: Tensor, n: Tensor) -> tuple[Tensor, int]:
+def scale_patch(shift: Tensor, n: Tensor) -> tuple[Tensor, Tensor]:
     """Elementwise scale patch ``dm = shift / n`` adding ``shift`` to ``m * n``.
 
     A coordinate with ``n_j = 0`` is divided by one instead (the paper's rule); the count of such
@@ -101,10 +114,10 @@ def scale_patch(shift: Tensor, n: Tensor) -> tuple[Tensor, int]:
         n: (d,) the realised normalized input of the post-norm, ``N(h)``.
 
     Returns:
-        ``(dm, zero_count)``.
+        ``(dm, zero_count)``, the count a 0-d tensor (no host sync).
     """
     zero = n == 0
-    return shift / torch.where(zero, torch.ones_like(n), n), int(zero.sum())
+    return shift / torch.where(zero, torch.ones_like(n), n), zero.sum()
 
 
 @dataclass(frozen=True)
@@ -112,8 +125,8 @@ class RmsFit:
     """Solution of ``min |m * y - g|^2  s.t.  mean(y^2) = 1`` (Appendix B.2)."""
 
     y: Tensor  # (d,) float64, mean(y^2) = 1
-    mu: float  # the Lagrange multiplier, below min(m^2)
-    hard_case: bool  # no interior root: the fallback of PAPER.md section 5 was used
+    mu: Tensor  # () the Lagrange multiplier, below min(m^2)
+    hard_case: Tensor  # () bool: no interior root, the fallback of PAPER.md section 5 was used
 
 
 def _secular(gm2: Tensor, m2: Tensor, mu: Tensor) -> Tensor:
@@ -149,18 +162,18 @@ def solve_rms_fit(g: Tensor, m: Tensor, rounds: int = 12) -> RmsFit:
     gm2, m2 = gm * gm, m64 * m64
     m2_min = m2.min()
     at_min = m2 == m2_min
-    # F just below min m^2: infinite unless every minimising coordinate has g m = 0.
-    if not bool((gm[at_min] != 0).any()):
-        others = ~at_min
-        gap = m2[others] - m2_min
-        f_edge = (gm2[others] / (gap * gap)).sum() / n
-        if bool(f_edge <= 1):
-            y = torch.zeros_like(g64)
-            y[others] = gm[others] / (m2[others] - m2_min)
-            rest = (n - (y * y).sum()).clamp_min(0)
-            j = int(torch.nonzero(at_min)[0])
-            y[j] = rest.sqrt()
-            return RmsFit(y=y, mu=float(m2_min), hard_case=True)
+    others = ~at_min
+    # Hard case (decided on the device, no host round trip): F stays finite just below min m^2
+    # only when every minimising coordinate has g m = 0, and it is then the hard case when F
+    # there is at most 1.
+    gap = torch.where(others, m2 - m2_min, torch.ones_like(m2))
+    f_edge = torch.where(others, gm2 / (gap * gap), torch.zeros_like(m2)).sum() / n
+    hard = ~(gm.ne(0) & at_min).any() & (f_edge <= 1)
+    y_hard = torch.where(others, gm / gap, torch.zeros_like(gm))
+    rest = (n - (y_hard * y_hard).sum()).clamp_min(0)
+    first = torch.zeros_like(at_min).scatter(0, at_min.to(torch.uint8).argmax().reshape(1),
+                                             True)  # one minimising coordinate takes the rest
+    y_hard = torch.where(first, rest.sqrt(), y_hard)
     lo = m2_min - gm.abs().max() - 1.0
     hi = m2_min.clone()
     # Bracketed search with no host round trip: each round evaluates F at 63 interior points
@@ -172,11 +185,13 @@ def solve_rms_fit(g: Tensor, m: Tensor, rounds: int = 12) -> RmsFit:
         grid = torch.cat([lo.reshape(1), pts, hi.reshape(1)])
         lo, hi = grid[k], grid[k + 1]
     mu = lo  # F(lo) <= 1 side: keeps the denominator away from zero
-    y = gm / (m2 - mu)
-    return RmsFit(y=y, mu=float(mu), hard_case=False)
+    denominator = m2 - mu
+    y = gm / torch.where(denominator == 0, torch.ones_like(denominator), denominator)
+    return RmsFit(y=torch.where(hard, y_hard, y), mu=torch.where(hard, m2_min, mu),
+                  hard_case=hard)
 
 
-def fit_down_target(g: Tensor, m: Tensor, c_rms: Tensor) -> tuple[Tensor, bool]:
+def fit_down_target(g: Tensor, m: Tensor, c_rms: Tensor) -> tuple[Tensor, Tensor]:
     """The down-projection output whose normalized, scaled value best matches ``g`` in L2
     (App. B.2, the paper's fit; what a frozen scale can reach at best, PAPER.md section 7).
 
@@ -202,13 +217,12 @@ def conditioned_scale(m: Tensor, floor: float = SCALE_FLOOR) -> Tensor:
     """``m`` with every coordinate raised to at least ``floor * RMS(m)`` in magnitude (sign kept,
     zeros made positive); all ones when ``m = 0``. Used only to aim the down patch."""
     tau = floor * m.pow(2).mean().sqrt()
-    if not bool(tau > 0):
-        return torch.ones_like(m)
     sign = torch.where(m < 0, -torch.ones_like(m), torch.ones_like(m))
-    return torch.where(m.abs() < tau, sign * tau, m)
+    raised = torch.where(m.abs() < tau, sign * tau, m)
+    return torch.where(tau > 0, raised, torch.ones_like(m))
 
 
-def stable_down_target(g: Tensor, m: Tensor, c_rms: Tensor) -> tuple[Tensor, bool]:
+def stable_down_target(g: Tensor, m: Tensor, c_rms: Tensor) -> tuple[Tensor, Tensor]:
     """The down-projection output of the conditioned stable update (App. B, done so that the
     remainder ``dm = g / N(h') - m`` stays bounded).
 

@@ -13,7 +13,6 @@ from PySide6.QtGui import QDragEnterEvent, QDropEvent, QImageReader, QPixmap
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
-    QFileDialog,
     QFormLayout,
     QGroupBox,
     QHBoxLayout,
@@ -27,6 +26,7 @@ from PySide6.QtWidgets import (
 )
 
 from ctxpatch import resources
+from ctxpatch.app import dialogs
 
 
 class QtInputPanel(QGroupBox):
@@ -108,8 +108,7 @@ class QtInputPanel(QGroupBox):
 
     # -- the image ------------------------------------------------------------------------------
     def choose_image(self) -> None:
-        start = str(Path(self.image_path).parent) if self.image_path else ""
-        path, _ = QFileDialog.getOpenFileName(self, "Context image", start, self.IMAGE_FILTER)
+        path = dialogs.open_file(self, "image", "Context image", self.IMAGE_FILTER)
         if path:
             self.set_image(path)
 

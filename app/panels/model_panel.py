@@ -8,7 +8,6 @@ from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
-    QFileDialog,
     QFormLayout,
     QGroupBox,
     QHBoxLayout,
@@ -17,6 +16,8 @@ from PySide6.QtWidgets import (
     QPushButton,
     QWidget,
 )
+
+from ctxpatch.app import dialogs
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -138,7 +139,7 @@ class QtModelPanel(QGroupBox):
         self.device.setEnabled(not spread)
 
     def browse_folder(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self, "Open a model folder", self.spec())
+        folder = dialogs.open_folder(self, "model", "Open a model folder")
         if folder:
             self.model.setCurrentText(folder)
 

@@ -50,3 +50,25 @@ def test_a_banner_clears_on_the_next_success_and_on_dismiss(qtbot, keep, setting
 
     w.banner.findChild(QToolButton).click()
     assert not w.banner.isVisible()
+
+
+def test_file_dialogs_remember_their_folder(qtbot, keep, settings, tiny_model_dir, tmp_path,  # type: ignore[no-untyped-def]
+                                            monkeypatch) -> None:
+    """Each kind of dialog opens where the last one of its kind was used (across windows)."""
+    from PySide6.QtWidgets import QFileDialog
+
+    asked: list[str] = []
+    folder = tmp_path / "exports"
+    folder.mkdir()
+
+    def save(parent, title, start, filters):  # type: ignore[no-untyped-def]
+        asked.append(start)
+        return str(folder / f"run{len(asked)}.json"), filters
+
+    monkeypatch.setattr(QFileDialog, "getSaveFileName", staticmethod(save))
+    w = _fresh(keep, settings, tiny_model_dir)
+    assert run_to_end(qtbot, w, timeout=120_000) == "completed"
+    assert w.export("json") and w.export("json")
+    assert asked[0] == "ctxpatch-run.json" or not asked[0].startswith(str(folder))
+    assert asked[1] == str(folder / "ctxpatch-run.json")
+    assert (folder / "run2.json").is_file()

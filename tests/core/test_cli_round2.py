@@ -345,3 +345,21 @@ def test_bad_pictures_are_one_clean_line(capsys, folder: Path, tmp_path: Path) -
         line = _err(capsys, ["compare", "--model", str(folder), *CASE, "--image", str(path)])
         assert words in line and "BytesIO" not in line and "folder" not in line, line
         assert "Warning" not in capsys.readouterr().err
+
+
+def test_a_full_disk_while_saving_patches_is_one_line(capsys, folder: Path, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """safetensors reports a failed write (a full disk) as its own SafetensorError: one line,
+    exit 2, no temporary file left."""
+    import safetensors.numpy
+    from safetensors import SafetensorError
+
+    def full(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: "
+                              "StorageFull, message: \"No space left on device\" })")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", full)
+    line = _err(capsys, ["compare", "--model", str(folder), *CASE, "--quiet",
+                         "--save-patches", str(tmp_path / "p.safetensors")])
+    assert "cannot write" in line and "disk full" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -40,9 +40,15 @@ def test_rank1_input_patch_maps_z_to_full_context_output() -> None:
     assert math.isclose(r.frobenius(), float(torch.outer(r.u, r.a).norm()), rel_tol=1e-12)
 
 
-def test_rank1_input_patch_refuses_zero_input() -> None:
-    assert rank1_input_patch(torch.ones(3), torch.zeros(3), torch.zeros(4)) is None
-    assert matrix_output_patch(torch.ones(3), torch.zeros(4)) is None
+def test_a_zero_input_gives_a_void_patch_that_acts_as_nothing() -> None:
+    """z = 0 (or h = 0): no rank-1 patch along it exists; the patch says so (``void``, a
+    tensor: deciding needs no host sync) and is zero, so it changes nothing."""
+    for r in (rank1_input_patch(torch.ones(3), torch.zeros(3), torch.zeros(4)),
+              matrix_output_patch(torch.ones(3), torch.zeros(4))):
+        assert isinstance(r.void, torch.Tensor) and bool(r.void)
+        assert torch.equal(r.a, torch.zeros(4)) and torch.isfinite(r.u).all()
+    ok = rank1_input_patch(torch.ones(3), torch.zeros(3), torch.ones(4))
+    assert not bool(ok.void)
 
 
 def test_matrix_output_patch_adds_shift() -> None:

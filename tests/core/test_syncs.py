@@ -1,0 +1,45 @@
+"""Issue 22: the hot path keeps its values on the device. Host syncs per generated token (calls
+that copy a tensor's value to the host) stay at most 8 and do not grow with the number of
+layers: each step's measures, flags and metrics cross to the host in one transfer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import gemma3_config, llama_config, tiny_loaded
+
+from ctxpatch.core.bench import counting_host_syncs, syncs_per_token
+from ctxpatch.core.compare import Settings, iter_token_patches
+from ctxpatch.core.prompt import build_prompt
+
+
+def _per_token(config, **options) -> float:  # type: ignore[no-untyped-def]
+    loaded = tiny_loaded(config, dtype=torch.float32)
+    prompt = build_prompt(loaded.tokenizer, "Alice lives in Paris.", "Where does she live?")
+    settings = Settings(max_new_tokens=4, **options)
+    list(iter_token_patches(loaded, prompt, settings))  # warm-up (parameters' norms, once)
+    return syncs_per_token(loaded, prompt, settings)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("options", [{"absorb": "all", "method": "direct"},
+                                     {"absorb": "all", "method": "stable"},
+                                     {"absorb": "context", "scope": "query"}])
+def test_syncs_per_token_are_few_and_flat_in_depth(family: str, options: dict) -> None:  # type: ignore[type-arg]
+    build = llama_config if family == "llama" else gemma3_config
+    shallow, deep = (_per_token(build(layers=n), **options) for n in (2, 12))
+    assert deep == shallow, (shallow, deep)
+    assert deep <= 8, deep
+
+
+def test_the_counter_counts_and_restores() -> None:
+    x = torch.ones(3)
+    with counting_host_syncs() as count:
+        float(x.sum())
+        x.tolist()
+        bool(x.any())
+    assert count[0] == 3
+    with counting_host_syncs() as again:
+        pass
+    float(x.sum())  # restored: counted nowhere
+    assert again[0] == 0
