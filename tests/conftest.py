@@ -6,10 +6,21 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="session")
+def picture():  # type: ignore[no-untyped-def]
+    """The bundled sample picture, decoded (the image tests' context)."""
+    from ctxpatch.core.images import read_image
+    from ctxpatch.resources import sample_image_path
+
+    return read_image(sample_image_path())
 
 
 def pytest_report_header() -> str:

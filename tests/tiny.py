@@ -322,3 +322,19 @@ def save_tiny_image_folder(folder: Any, kind: str, seed: int = 0) -> Any:
     loaded.model.save_pretrained(folder)
     loaded.processor.save_pretrained(folder)
     return folder
+
+
+def comparable_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A run record without what differs between two runs of the same options: timings, and
+    ``keep_patches`` (the Python API keeps the patches by default)."""
+    import json
+    import re
+
+    text = json.dumps(record, sort_keys=True)
+    text = re.sub(r'"(seconds|wall|baseline|patched|control)": [0-9.e-]+', r'"\1": 0', text)
+    data = json.loads(text)
+    for step in data["steps"]:
+        step["seconds"] = {}
+    data["summary"]["seconds"] = {}
+    data["settings"].pop("keep_patches", None)
+    return data

@@ -5,12 +5,11 @@ the command line's one-line error as a ValueError before any work."""
 from __future__ import annotations
 
 import json
-import re
 import threading
 from pathlib import Path
 
 import pytest
-from tiny import llama_config, save_tiny_folder
+from tiny import comparable_record, llama_config, save_tiny_folder
 
 import ctxpatch
 from ctxpatch.app.cli import main
@@ -22,17 +21,6 @@ CASE = {"context": "Alice lives in Paris.", "query": "Where?", "max_new_tokens":
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(save_tiny_folder(tmp_path_factory.mktemp("model"), llama_config(layers=2)))
-
-
-def _comparable(record: dict) -> dict:  # type: ignore[type-arg]
-    """The record without what differs between two runs of the same options: timings."""
-    text = json.dumps(record, sort_keys=True)
-    text = re.sub(r'"(seconds|wall|baseline|patched|control)": [0-9.e-]+', r'"\1": 0', text)
-    data = json.loads(text)
-    for step in data["steps"]:
-        step["seconds"] = {}
-    data["summary"]["seconds"] = {}
-    return data
 
 
 def test_the_readme_example_runs_on_the_demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -55,8 +43,7 @@ def test_the_api_record_equals_the_command_line_s(folder: Path, tmp_path: Path) 
                  "--quiet", "--json", str(out)]) == 0
     cli = json.loads(out.read_text())
     api = run.to_dict()
-    api["settings"]["keep_patches"] = cli["settings"]["keep_patches"]  # (the API keeps them)
-    assert _comparable(api) == _comparable(cli)
+    assert comparable_record(api) == comparable_record(cli)
     assert run.steps[0].patched.match and len(run.steps) == 3
 
 

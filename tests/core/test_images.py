@@ -13,14 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 from tiny import IMAGE_SIZE, tiny_image_loaded
+from tiny_images import image_steps
 
-from ctxpatch.core.compare import Settings, iter_token_patches
 from ctxpatch.core.errors import UserError
 from ctxpatch.core.export import save_patches
 from ctxpatch.core.images import read_image
 from ctxpatch.core.prompt import build_prompt, check_prompt
 from ctxpatch.core.verify import image_pixels, read_patches, recorded_image, verify_patches
-from ctxpatch.resources import sample_image_path
 
 QUERY = "Hello world!"
 CONTEXT = "The quick brown fox"
@@ -33,16 +32,8 @@ def loaded(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     return tiny_image_loaded(request.param)
 
 
-@pytest.fixture(scope="module")
-def picture():  # type: ignore[no-untyped-def]
-    return read_image(sample_image_path())
-
-
 def _steps(loaded, picture, context="", chat=False, **kw):  # type: ignore[no-untyped-def]
-    prompt = build_prompt(loaded.tokenizer, context, QUERY, chat_template=chat, image=picture,
-                          processor=loaded.processor)
-    settings = Settings(max_new_tokens=TOKENS, **kw)
-    return prompt, settings, list(iter_token_patches(loaded, prompt, settings))
+    return image_steps(loaded, picture, QUERY, TOKENS, context, chat, **kw)
 
 
 def test_image_tokens_are_an_absorbed_segment(loaded, picture) -> None:  # type: ignore[no-untyped-def]

@@ -10,14 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_images import FAMILIES, save_family_folder
+from tiny_images import FAMILIES, image_steps, save_family_folder
 
-from ctxpatch.core.compare import Settings, iter_token_patches
 from ctxpatch.core.errors import UserError
 from ctxpatch.core.export import save_patches
-from ctxpatch.core.images import read_image, vision_kwargs
+from ctxpatch.core.images import vision_kwargs
 from ctxpatch.core.loading import load_model
-from ctxpatch.core.prompt import build_prompt
 from ctxpatch.core.verify import (
     image_pixels,
     materialized,
@@ -58,16 +56,8 @@ def loaded(folder: Path):  # type: ignore[no-untyped-def]
     return load_model(str(folder), dtype="float64", device="cpu")
 
 
-@pytest.fixture(scope="module")
-def picture():  # type: ignore[no-untyped-def]
-    return read_image(sample_image_path())
-
-
 def _steps(loaded, picture, context="", chat=False, **kw):  # type: ignore[no-untyped-def]
-    prompt = build_prompt(loaded.tokenizer, context, QUERY, chat_template=chat, image=picture,
-                          processor=loaded.processor)
-    settings = Settings(max_new_tokens=TOKENS, **kw)
-    return prompt, settings, list(iter_token_patches(loaded, prompt, settings))
+    return image_steps(loaded, picture, QUERY, TOKENS, context, chat, **kw)
 
 
 def test_the_processor_needs_no_torchvision(loaded) -> None:  # type: ignore[no-untyped-def]
