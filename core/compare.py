@@ -35,10 +35,8 @@ from ctxpatch.core.offload import resident
 from ctxpatch.core.patches import Delta, Rank1
 from ctxpatch.core.prompt import ABSORB_MODES, Prompt, check_prompt, reduced_sequence
 from ctxpatch.core.results import ENTRY_BOUND, NO_CONTROL, Side, StepResult, TopK, summarize
+from ctxpatch.core.options import METHODS, ON_FAULT, PATCH_KINDS, SCOPES
 
-METHODS = ("direct", "stable")
-SCOPES = ("all-positions", "query")
-PATCH_KINDS = ("input", "output")
 
 
 #: the longest top-k list a step records (the window shows a few; the JSON keeps them all)
@@ -75,7 +73,7 @@ class Settings:
             raise UserError(f"max new tokens must be between 1 and 100000, not {self.max_new_tokens}")
         if not 1 <= self.top_k <= MAX_TOP_K:
             raise UserError(f"top-k must be between 1 and {MAX_TOP_K}, not {self.top_k}")
-        if self.on_fault not in ("stop", "continue"):
+        if self.on_fault not in ON_FAULT:
             raise UserError(f"unknown on_fault {self.on_fault!r}: use stop or continue")
         if not self.disabled <= set(PATCH_KINDS):
             raise UserError(f"disabled patch kinds must be among {', '.join(PATCH_KINDS)}")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ctxpatch.core.errors import UserError
+from ctxpatch.core.options import METHODS
 
 PAPER_PROMPTS = (
     "Write a single-sentence weather forecast for Mars, from the perspective of a slightly "
@@ -27,7 +28,6 @@ PAPER_PROMPTS = (
     "MLP weights. Write a two-line rhyming couplet about this fact:",
 )
 DTYPES = ("float32", "bfloat16")
-METHODS = ("direct", "stable")
 #: the paper's image run (Figure 5): a picture in the context, described in ten words; the
 #: prompt's exact text is unknown (PAPER.md section 6), this is its stated request
 IMAGE_QUERY = "Describe this image in 10 words."

@@ -18,11 +18,11 @@ from typing import Any
 
 from ctxpatch.core.errors import UserError
 from ctxpatch.core.images import ImageInfo, encode_image, image_layout, image_marker, text_only
+from ctxpatch.core.options import ABSORB_MODES
 
 #: segment kinds that absorb mode "context" takes out of the reduced sequence
 ABSORBED = ("context", "image")
 
-ABSORB_MODES = ("context", "all")
 
 #: Appended to a non-empty context before the query; it belongs to the context (is absorbed).
 CONTEXT_SEPARATOR = "\n\n"

@@ -18,13 +18,10 @@ from PySide6.QtWidgets import (
 )
 
 from ctxpatch.app import dialogs
+from ctxpatch.core.options import ABSORB_MODES as ABSORB
+from ctxpatch.core.options import DEVICES, DTYPES, METHODS, SCOPES
 
-DTYPES = ("float32", "bfloat16", "float16", "float64")
-DEVICES = ("auto", "cpu", "cuda", "mps")
 PLACEMENTS = ("one device", "auto", "balanced", "sequential")
-METHODS = ("direct", "stable")
-ABSORB = ("context", "all")
-SCOPES = ("all-positions", "query")
 ABLATIONS = ("input and output", "no input patches", "no output patches (frozen)")
 DISABLED = {ABLATIONS[0]: [], ABLATIONS[1]: ["input"], ABLATIONS[2]: ["output"]}
 TIPS = {

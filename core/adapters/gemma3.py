@@ -19,7 +19,7 @@ from torch import nn
 from ctxpatch.core.adapters.base import Adapter, LayerSites
 
 
-def _sites(layer: nn.Module) -> LayerSites:
+def sites(layer: nn.Module) -> LayerSites:
     mlp = layer.mlp
     return LayerSites(
         layer=layer,
@@ -33,7 +33,7 @@ def _sites(layer: nn.Module) -> LayerSites:
 ADAPTER = Adapter(
     family="Gemma 2 / Gemma 3",
     model_types=("gemma3_text", "gemma3", "gemma2"),
-    sites=_sites,
+    sites=sites,
     output_controls=("scale", "matrix"),
     norm_offset=1.0,
     notes=(

@@ -36,7 +36,7 @@ from ctxpatch.core.adapters.base import Adapter
 ADAPTER = Adapter(
     family="Gemma 3n",
     model_types=("gemma3n_text",),
-    sites=gemma3._sites,  # the same four norms and GeGLU MLP
+    sites=gemma3.sites,  # the same four norms and GeGLU MLP
     output_controls=("scale", "matrix"),
     norm_offset=0.0,
     notes=(

@@ -40,7 +40,7 @@ from ctxpatch.core.adapters.base import Adapter, LayerSites
 
 def _sites(layer: nn.Module) -> LayerSites:
     if not getattr(layer, "enable_moe_block", False):
-        return gemma3._sites(layer)  # the same four norms and GeGLU MLP
+        return gemma3.sites(layer)  # the same four norms and GeGLU MLP
     mlp = layer.mlp
     return LayerSites(
         layer=layer,

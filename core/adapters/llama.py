@@ -23,7 +23,7 @@ from torch import nn
 from ctxpatch.core.adapters.base import Adapter, LayerSites
 
 
-def _sites(layer: nn.Module) -> LayerSites:
+def sites(layer: nn.Module) -> LayerSites:
     mlp = layer.mlp
     if hasattr(mlp, "gate_up_proj"):  # Phi-3
         inputs: tuple[tuple[str, nn.Module], ...] = (("gate_up", mlp.gate_up_proj),)
@@ -47,7 +47,7 @@ ADAPTER = Adapter(
     family="Llama / Mistral / Qwen",
     model_types=("llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3",
                  "qwen2_vl_text", "qwen2_5_vl_text"),  # (the language models of Qwen2(.5)-VL)
-    sites=_sites,
+    sites=sites,
     output_controls=("matrix",),
     notes=_NOTES,
 )
@@ -55,7 +55,7 @@ ADAPTER = Adapter(
 GRANITE = Adapter(
     family="Granite",
     model_types=("granite",),
-    sites=_sites,
+    sites=sites,
     output_controls=("matrix",),
     notes=(*_NOTES, "each branch is scaled by residual_multiplier: the down patch absorbs dv / it"),
 )
@@ -63,7 +63,7 @@ GRANITE = Adapter(
 PHI3 = Adapter(
     family="Phi-3",
     model_types=("phi3",),
-    sites=_sites,
+    sites=sites,
     output_controls=("matrix",),
     notes=(*_NOTES, "gate and up are one fused gate_up_proj: one rank-1 patch controls both"),
 )
@@ -71,7 +71,7 @@ PHI3 = Adapter(
 GEMMA1 = Adapter(
     family="Gemma 1",
     model_types=("gemma",),
-    sites=_sites,
+    sites=sites,
     output_controls=("matrix",),
     norm_offset=1.0,
     notes=(*_NOTES, "RMSNorm scales are 1 + weight; Gemma 1 has no post-MLP norm to patch"),

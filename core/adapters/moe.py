@@ -52,7 +52,7 @@ from ctxpatch.core.adapters.base import Adapter, LayerSites
 def _sites(layer: nn.Module) -> LayerSites:
     mlp = layer.mlp
     if not hasattr(mlp, "experts"):  # a dense layer of a Qwen3-MoE model
-        return llama._sites(layer)
+        return llama.sites(layer)
     return LayerSites(
         layer=layer,
         v_sources=((layer.post_attention_layernorm, "input"),),
