@@ -146,12 +146,15 @@ class RunState:
         return out
 
     def summary(self) -> dict[str, Any]:
-        n = len(self.steps)
+        """The status bar's figures, by `core.results.nan_max`'s one rule (NaN when any step's
+        is NaN; 0 before any step)."""
+        from ctxpatch.core.results import nan_max
+
         return {
-            "tokens": n,
+            "tokens": len(self.steps),
             "matches": sum(s.patched.match for s in self.steps),
             "control_matches": sum(s.control.match for s in self.steps),
-            "max_linf": max((s.patched.linf for s in self.steps), default=0.0),
-            "control_max_linf": max((s.control.linf for s in self.steps), default=0.0),
+            "max_linf": nan_max((s.patched.linf for s in self.steps), default=0.0),
+            "control_max_linf": nan_max((s.control.linf for s in self.steps), default=0.0),
             "seconds": sum(sum(s.seconds.values()) for s in self.steps),
         }

@@ -16,6 +16,7 @@ from typing import Any
 
 from ctxpatch.core.errors import UserError
 from ctxpatch.core.options import METHODS
+from ctxpatch.core.results import nan_max
 
 PAPER_PROMPTS = (
     "Write a single-sentence weather forecast for Mars, from the perspective of a slightly "
@@ -160,7 +161,7 @@ def summary(records: dict[str, dict[str, Any]], dtypes: Sequence[str], prompts: 
                 "match_rate": sum(bool(s["match"]) for s in steps) / len(steps),
                 "per_prompt_matches": [r["summary"]["patched"]["matches"] for r in runs],
                 "median_tvd": _median(tvd), "mean_tvd": statistics.fmean(tvd),
-                "max_tvd": max(tvd), "max_linf": max(linf),
+                "max_tvd": nan_max(tvd), "max_linf": nan_max(linf),
                 "control_match_rate": sum(bool(s["control"]["match"]) for s in steps) / len(steps),
                 "max_abs_scale_patch": max((x for x in scale if x is not None), default=None),
                 "seconds": sum(float(r["summary"]["seconds"]["total"]) for r in runs),

@@ -89,7 +89,18 @@ class StepResult:
 
 
 def _median(values: list[float]) -> float:
+    if any(math.isnan(v) for v in values):
+        return math.nan
     return statistics.median(values) if values else math.nan
+
+
+def nan_max(values: Sequence[float] | Any, default: float = math.nan) -> float:
+    """The largest value, NaN when any is NaN (Python's ``max`` keeps or drops a NaN depending
+    on where it stands), ``default`` when there are none. One rule for every summary."""
+    values = [float(v) for v in values]
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    return max(values, default=default)
 
 
 def conditioning(steps: Sequence[StepResult]) -> dict[str, Any]:
@@ -139,11 +150,11 @@ def summarize(steps: Sequence[StepResult]) -> dict[str, Any]:
         out[label] = {
             "matches": matches,
             "match_rate": matches / len(sides) if sides else math.nan,
-            "max_linf": max(linf, default=math.nan),
+            "max_linf": nan_max(linf),
             "median_linf": _median(linf),
-            "max_tvd": max(tvd, default=math.nan),
+            "max_tvd": nan_max(tvd),
             "median_tvd": _median(tvd),
-            "mean_tvd": statistics.fmean(tvd) if tvd else math.nan,
+            "mean_tvd": statistics.fmean(tvd) if tvd else math.nan,  # (NaN in, NaN out)
         }
     infos = [info for s in steps for info in s.layer_info.values()]
     out["faults"] = {

@@ -16,6 +16,7 @@ from ctxpatch.core.errors import UserError
 from ctxpatch.core.export import run_record
 from ctxpatch.core.loading import LoadedModel
 from ctxpatch.core.prompt import Prompt
+from ctxpatch.core.results import nan_max
 
 
 def record_of(model: dict[str, Any], prompt: Prompt, settings: Settings,
@@ -98,14 +99,10 @@ class Verdict:
                 "tolerance": self.tolerance if math.isfinite(self.tolerance) else None}
 
 
-def _nan_max(values: list[float]) -> float:
-    return math.nan if any(math.isnan(v) for v in values) else max(values, default=0.0)
-
-
 def verdict(checks: Sequence[Any], tolerance: float) -> Verdict:
     """The verdict over verify's per-step checks (`core.verify.StepCheck`)."""
-    worst = _nan_max([c.linf / max(c.scale, 1e-30) for c in checks])
-    max_linf = _nan_max([c.linf for c in checks])
+    worst = nan_max([c.linf / max(c.scale, 1e-30) for c in checks], default=0.0)
+    max_linf = nan_max([c.linf for c in checks], default=0.0)
     matches = sum(bool(c.match) for c in checks)
     ok = bool(checks) and matches == len(checks) and not math.isnan(worst) and worst <= tolerance
     return Verdict(ok, matches, len(checks), worst, max_linf, tolerance)
