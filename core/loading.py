@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,9 +150,11 @@ def ensure_demo(progress: ProgressFn | None = None, should_stop: Callable[[], bo
     report = progress or (lambda message, done, total: None)
 
     def step(message: str, done: int) -> None:
+        """Check for a cancel, then report stage ``done`` of 4 (``done`` -1: the check only)."""
         if should_stop is not None and should_stop():
             raise Cancelled
-        report(message, done, 4)
+        if done >= 0:
+            report(message, done, 4)
 
     from filelock import FileLock, Timeout
 
@@ -172,6 +175,30 @@ def ensure_demo(progress: ProgressFn | None = None, should_stop: Callable[[], bo
         lock.release()
 
 
+@contextmanager
+def _tensor_progress(report: Callable[[int, int], None],
+                     step: Callable[[str, int], None]) -> Iterator[None]:
+    """Report transformers' GGUF conversion tensor by tensor (its own loop shows a tqdm bar on
+    the terminal only), and let a cancel stop it between tensors: its ``tqdm`` is replaced for
+    the block and restored in ``finally``."""
+    import transformers.modeling_gguf_pytorch_utils as gguf
+
+    real = gguf.tqdm
+
+    def counted(iterable: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        items = list(iterable)
+        for i, item in enumerate(items):
+            step("", -1)  # (a cancel check only)
+            report(i + 1, len(items))
+            yield item
+
+    gguf.tqdm = counted
+    try:
+        yield
+    finally:
+        gguf.tqdm = real
+
+
 def _convert_demo(spec: str, folder: Path, step: Callable[[str, int], None],
                   report: ProgressFn) -> Path:
     """Convert a demo's GGUF into ``folder`` (under the caller's lock) through a temporary folder
@@ -188,9 +215,11 @@ def _convert_demo(spec: str, folder: Path, step: Callable[[str, int], None],
         step(f"Reading the {spec} tokenizer", 1)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         step(f"Dequantizing the {spec} model to float32", 2)
-        model = checked_from_pretrained(AutoModelForCausalLM, f"the {spec} model",
-                                        str(gguf_path.parent), gguf_file=gguf_path.name,
-                                        dtype=torch.float32)
+        with _tensor_progress(lambda i, n: report(
+                f"Converting the {spec} model (first use only): tensor {i} of {n}", i, n), step):
+            model = checked_from_pretrained(AutoModelForCausalLM, f"the {spec} model",
+                                            str(gguf_path.parent), gguf_file=gguf_path.name,
+                                            dtype=torch.float32)
         # Saved as a plain float32 model: no quantizer, no quantization config.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):

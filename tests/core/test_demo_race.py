@@ -32,6 +32,12 @@ def test_two_processes_convert_the_demo_once(tmp_path: Path) -> None:
         assert "folder" in out
     conversions = sum(out.count("Dequantizing") for out, _ in outs)
     assert conversions == 1, [out for out, _ in outs]
+    # the conversion reports tensor by tensor (issue 20: no silent minutes behind a bar)
+    converting = next(out for out, _ in outs if "Dequantizing" in out)
+    assert "(first use only): tensor 1 of " in converting
+    last = [line for line in converting.splitlines() if ": tensor " in line][-1]
+    i, n = last.rsplit("tensor ", 1)[1].split(" of ")
+    assert int(i) == int(n) > 100
     folder = tmp_path / "demo" / "gemma-3-270m"
     assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
     left = sorted(p.name for p in (tmp_path / "demo").iterdir())
