@@ -363,6 +363,54 @@ def _max_positions(model: Any) -> int | None:
     return int(value) if value else None
 
 
+@dataclass
+class _Plan:
+    """What a run needs beyond its settings, decided once before the first token."""
+
+    layers: Any  # all decoder layers
+    sites: dict[int, Any]  # the patched layers' handles
+    spec: PatchSpec
+    names: dict[int, str]  # id(module) -> qualified name
+    dtype: torch.dtype  # the patch vectors' compute dtype
+    norms: _Norms
+    eos: set[int]
+
+
+def _plan(loaded: LoadedModel, prompt: Prompt, settings: Settings) -> _Plan:
+    """Every check before the first token (settings, prompt, length, layers, control), and what
+    the loop needs."""
+    settings.validate()
+    check_prompt(prompt, settings.absorb)
+    control = resolve_control(loaded, settings)
+    model, adapter = loaded.model, loaded.adapter
+    limit = _max_positions(model)
+    full = len(prompt.full_ids)
+    if limit is not None and full + settings.max_new_tokens > limit:
+        raise UserError(
+            f"input too long: {full} prompt tokens + {settings.max_new_tokens} new tokens "
+            f"exceed the model's {limit} positions (shorten the context or generate fewer tokens)"
+        )
+    layers = adapter.layers(model)
+    sites = {i: adapter.sites(layers[i]) for i in parse_layers(settings.layers, len(layers))}
+    if control == "bias" and any(getattr(s.out_matrix, "bias", None) is None for s in sites.values()):
+        raise UserError(f"this {adapter.family} model's output matrix has no bias: "
+                        "use the output control 'matrix'")
+    names = {id(m): n for n, m in model.named_modules()}
+    dtype = compute_dtype(loaded.dtype)
+    spec = PatchSpec(
+        method=settings.method,
+        control=control,
+        last_only=settings.scope == "query",
+        disabled=settings.disabled,
+        norm_offset=adapter.norm_offset,
+        # kept patches are saved in float32 unless the run is float64 (patches format /2)
+        stored_dtype=torch.float32 if settings.keep_patches and dtype != torch.float64 else None,
+    )
+    scale_names = {f"{names[id(s.out_norm)]}.weight" for s in sites.values() if s.out_norm is not None}
+    return _Plan(layers, sites, spec, names, dtype, _Norms(model, adapter.norm_offset, scale_names),
+                 _eos_ids(loaded) if settings.stop_at_eos else set())
+
+
 def iter_token_patches(
     loaded: LoadedModel,
     prompt: Prompt,
@@ -379,37 +427,10 @@ def iter_token_patches(
     """
     from transformers import DynamicCache
 
-    settings.validate()
-    check_prompt(prompt, settings.absorb)
-    control = resolve_control(loaded, settings)
-    model, adapter, tok, device = loaded.model, loaded.adapter, loaded.tokenizer, loaded.device
-    limit = _max_positions(model)
+    plan = _plan(loaded, prompt, settings)
+    model, device = loaded.model, loaded.device
+    layers, sites, spec, names, dtype = plan.layers, plan.sites, plan.spec, plan.names, plan.dtype
     full = list(prompt.full_ids)
-    if limit is not None and len(full) + settings.max_new_tokens > limit:
-        raise UserError(
-            f"input too long: {len(full)} prompt tokens + {settings.max_new_tokens} new tokens "
-            f"exceed the model's {limit} positions (shorten the context or generate fewer tokens)"
-        )
-    all_layers = adapter.layers(model)
-    chosen = parse_layers(settings.layers, len(all_layers))
-    sites = {i: adapter.sites(all_layers[i]) for i in chosen}
-    if control == "bias" and any(getattr(s.out_matrix, "bias", None) is None for s in sites.values()):
-        raise UserError(f"this {adapter.family} model's output matrix has no bias: "
-                        "use the output control 'matrix'")
-    names = {id(m): n for n, m in model.named_modules()}
-    dtype = compute_dtype(loaded.dtype)
-    spec = PatchSpec(
-        method=settings.method,
-        control=control,
-        last_only=settings.scope == "query",
-        disabled=settings.disabled,
-        norm_offset=adapter.norm_offset,
-        # kept patches are saved in float32 unless the run is float64 (patches format /2)
-        stored_dtype=torch.float32 if settings.keep_patches and dtype != torch.float64 else None,
-    )
-    scale_names = {f"{names[id(s.out_norm)]}.weight" for s in sites.values() if s.out_norm is not None}
-    norms = _Norms(model, adapter.norm_offset, scale_names)
-    eos = _eos_ids(loaded) if settings.stop_at_eos else set()
     cached_query = settings.absorb == "context" and settings.scope == "query"
     base_cache = DynamicCache(config=model.config)
     ctrl_cache = DynamicCache(config=model.config) if settings.absorb == "context" else None
@@ -422,7 +443,7 @@ def iter_token_patches(
                 if should_stop is not None and should_stop():
                     return
                 t0 = time.perf_counter()
-                with recording(all_layers, sites, dtype, should_stop) as targets:
+                with recording(layers, sites, dtype, should_stop) as targets:
                     base = last_logits(model, feed, device, cache=base_cache, pixels=prompt.pixels)
                 t1 = time.perf_counter()
                 red_ids, red_pos = reduced_sequence(prompt, history, settings.absorb, settings.keep_bos)
@@ -432,11 +453,11 @@ def iter_token_patches(
                         extend_cache(model, red_ids[ctrl_len:-1], device, ctrl_cache)
                         ctrl_len = len(red_ids) - 1
                     with _rollback(ctrl_cache), patching(
-                        all_layers, sites, targets, spec, names, dtype, should_stop
+                        layers, sites, targets, spec, names, dtype, should_stop
                     ) as lps:
                         patched = last_logits(model, red_ids[-1:], device, cache=ctrl_cache)
                 else:
-                    with patching(all_layers, sites, targets, spec, names, dtype, should_stop) as lps:
+                    with patching(layers, sites, targets, spec, names, dtype, should_stop) as lps:
                         patched = last_logits(model, red_ids, device, positions=red_pos)
                 t2 = time.perf_counter()
                 ctrl = None
@@ -448,46 +469,60 @@ def iter_token_patches(
                 else:
                     ctrl = last_logits(model, red_ids, device, positions=red_pos)
                 t3 = time.perf_counter()
-                # everything the step shows crosses to the host in one transfer
-                host = _Host(base.device)
-                faults = _queue_faults(host, base, patched, ctrl, lps)
-                base_probs = torch.softmax(base, -1)
-                base_keys = (host.add(base.argmax()), host.add(base.abs().max()),
-                             _queue_top_k(host, base_probs, settings.top_k))
-                sides = [None if logits is None else
-                         _queue_side(host, logits, base, base_probs, settings.top_k)
-                         for logits in (patched, ctrl)]
-                norm_keys = {i: _queue_patch_norms(host, lp) for i, lp in lps.items()}
-                layer_keys = {i: _queue_layer(host, lp) for i, lp in lps.items()}
-                host.fetch()
-                if settings.on_fault == "stop":
-                    _check_finite(step, host, faults, loaded.dtype)
-                token = int(host.get(base_keys[0]))
-                norms.prefetch(name for k in norm_keys.values() for name in k)
-                pn = {i: _patch_norms(host, k, norms) for i, k in norm_keys.items()}
-                yield StepResult(
-                    step=step,
-                    position=len(full) + len(history) - 1,
-                    baseline_token=token,
-                    baseline_text=_decode(tok, token),
-                    baseline_top_k=_top_k(tok, host, base_keys[2]),
-                    logit_scale=float(host.get(base_keys[1])),
-                    patched=_side(tok, host, sides[0]),
-                    control=NO_CONTROL if sides[1] is None else _side(tok, host, sides[1]),
-                    full_input_ids=tuple(full + history),
-                    reduced_input_ids=tuple(red_ids),
-                    reduced_position_ids=tuple(red_pos) if red_pos is not None else None,
-                    patch_norms=pn,
-                    layer_info={i: _layer_info(host, k, pn[i]) for i, k in layer_keys.items()},
-                    seconds={"baseline": t1 - t0, "patched": t2 - t1, "control": t3 - t2},
-                    patches=_patch_arrays(lps, adapter.transposed) if settings.keep_patches else None,
-                )
-                history.append(token)
-                feed = [token]
-                if token in eos:
+                result = _step_result(
+                    loaded, settings, plan, step, (base, patched, ctrl), lps,
+                    ids=(full + history, red_ids, red_pos), position=len(full) + len(history) - 1,
+                    seconds={"baseline": t1 - t0, "patched": t2 - t1, "control": t3 - t2})
+                yield result
+                history.append(result.baseline_token)
+                feed = [result.baseline_token]
+                if result.baseline_token in plan.eos:
                     return
     except Cancelled:
         return
+
+
+def _step_result(loaded: LoadedModel, settings: Settings, plan: _Plan, step: int,
+                 logits: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+                 lps: dict[int, LayerPatch], ids: tuple[list[int], list[int], Any],
+                 position: int, seconds: dict[str, float]) -> StepResult:
+    """The step's results: everything it shows is queued on the device and crosses to the host
+    in one transfer (`_Host`), then checked for faults and put in a `StepResult`."""
+    base, patched, ctrl = logits
+    tok, k = loaded.tokenizer, settings.top_k
+    host = _Host(base.device)
+    faults = _queue_faults(host, base, patched, ctrl, lps)
+    base_probs = torch.softmax(base, -1)
+    base_keys = (host.add(base.argmax()), host.add(base.abs().max()),
+                 _queue_top_k(host, base_probs, k))
+    sides = [None if x is None else _queue_side(host, x, base, base_probs, k)
+             for x in (patched, ctrl)]
+    norm_keys = {i: _queue_patch_norms(host, lp) for i, lp in lps.items()}
+    layer_keys = {i: _queue_layer(host, lp) for i, lp in lps.items()}
+    host.fetch()
+    if settings.on_fault == "stop":
+        _check_finite(step, host, faults, loaded.dtype)
+    token = int(host.get(base_keys[0]))
+    plan.norms.prefetch(name for keys in norm_keys.values() for name in keys)
+    pn = {i: _patch_norms(host, keys, plan.norms) for i, keys in norm_keys.items()}
+    full_ids, red_ids, red_pos = ids
+    return StepResult(
+        step=step,
+        position=position,
+        baseline_token=token,
+        baseline_text=_decode(tok, token),
+        baseline_top_k=_top_k(tok, host, base_keys[2]),
+        logit_scale=float(host.get(base_keys[1])),
+        patched=_side(tok, host, sides[0]),
+        control=NO_CONTROL if sides[1] is None else _side(tok, host, sides[1]),
+        full_input_ids=tuple(full_ids),
+        reduced_input_ids=tuple(red_ids),
+        reduced_position_ids=tuple(red_pos) if red_pos is not None else None,
+        patch_norms=pn,
+        layer_info={i: _layer_info(host, keys, pn[i]) for i, keys in layer_keys.items()},
+        seconds=seconds,
+        patches=_patch_arrays(lps, loaded.adapter.transposed) if settings.keep_patches else None,
+    )
 
 
 def _queue_faults(host: _Host, base: torch.Tensor, patched: torch.Tensor,
