@@ -34,6 +34,10 @@ IMAGE_TEXT_TYPES: dict[str, str] = {
     "aya_vision": "Aya Vision (AyaVisionForConditionalGeneration: pixel shuffle, Cohere 2)",
     "idefics2": "Idefics2 (Idefics2ForConditionalGeneration: perceiver resampler)",
     "smolvlm": "SmolVLM2 (SmolVLMForConditionalGeneration: image splitting, pixel shuffle)",
+    "llava_onevision": ("LLaVA-OneVision (LlavaOnevisionForConditionalGeneration: any-resolution "
+                        "tiles, Qwen2)"),
+    "internvl": "InternVL (InternVLForConditionalGeneration: tiles, pixel shuffle, Qwen2 or Llama)",
+    "gemma4": "Gemma 4 (Gemma4ForConditionalGeneration: variable-resolution patches, pooled)",
 }
 
 
@@ -192,9 +196,26 @@ def pictures_only(cls: type) -> type:
     own = inspect.signature(base)
     init.__signature__ = own.replace(  # type: ignore[attr-defined]
         parameters=[p for name, p in own.parameters.items() if name != "video_processor"])
-    return type(cls.__name__, (cls,), {"__init__": init, "__module__": cls.__module__,
-                                        "__qualname__": cls.__qualname__,
-                                        "video_processor": _NoVideos()})
+    # (`_video_keyword_dropped` comes between ``cls`` and the mixin: it takes the
+    # ``video_processor=None`` that some processors (Gemma 4) pass to the mixin by name)
+    return type(cls.__name__, (cls, _video_keyword_dropped()),
+                {"__init__": init, "__module__": cls.__module__,
+                 "__qualname__": cls.__qualname__, "video_processor": _NoVideos()})
+
+
+@functools.cache
+def _video_keyword_dropped() -> type:
+    from transformers.processing_utils import ProcessorMixin
+
+    class VideoKeywordDropped(ProcessorMixin):
+        """The mixin without the absent video processor given by name."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            if kwargs.get("video_processor", 0) is None:
+                del kwargs["video_processor"]
+            super().__init__(*args, **kwargs)
+
+    return VideoKeywordDropped
 
 
 class _NoVideos:

@@ -190,6 +190,102 @@ def _smolvlm(layers: int) -> tuple[Any, Any]:
     return config, processor
 
 
+def _llava_onevision(layers: int) -> tuple[Any, Any]:
+    from transformers import (
+        LlavaOnevisionConfig,
+        LlavaOnevisionImageProcessorPil,
+        LlavaOnevisionProcessor,
+    )
+
+    from ctxpatch.core.images import pictures_only
+
+    tok = _tokenizer(["<image>", "<video>"], {"image_token": "<image>", "video_token": "<video>"})
+    # any-resolution tiles of 32 x 32 (4 x 4 patches of 8 pixels, SigLIP: no CLS): the 4:3
+    # sample picture takes the 64 x 32 grid, two tiles unpadded plus the base view and newlines
+    grid = [[IMAGE_SIZE, IMAGE_SIZE], [IMAGE_SIZE, 2 * IMAGE_SIZE], [2 * IMAGE_SIZE, IMAGE_SIZE]]
+    images = LlavaOnevisionImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+                                             image_grid_pinpoints=grid, **_NORM)
+    processor = pictures_only(LlavaOnevisionProcessor)(
+        image_processor=images, tokenizer=tok, num_image_tokens=(IMAGE_SIZE // 8) ** 2,
+        vision_feature_select_strategy="full")
+    config = LlavaOnevisionConfig(
+        text_config={**llama_config("qwen2", layers=layers, vocab=330).to_dict(),
+                     "initializer_range": INIT},
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32,
+                           num_hidden_layers=2, num_attention_heads=2, image_size=IMAGE_SIZE,
+                           patch_size=8),
+        image_token_index=processor.image_token_id,
+        video_token_index=processor.video_token_id, vision_feature_select_strategy="full",
+        vision_feature_layer=-1, image_grid_pinpoints=grid, tie_word_embeddings=False)
+    return config, processor
+
+
+def _internvl(layers: int) -> tuple[Any, Any]:
+    from transformers import GotOcr2ImageProcessorPil, InternVLConfig, InternVLProcessor
+
+    from ctxpatch.core.images import pictures_only
+
+    roles = {"start_image_token": "<img>", "end_image_token": "</img>",
+             "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
+    tok = _tokenizer(list(roles.values()), roles)
+    # tiles of 32 x 32 (the processor crops to tiles; at most 4 and a thumbnail), each 4 x 4
+    # patches of 8 pixels pixel-shuffled by 2 into 4 image tokens, all between <img> and </img>
+    images = GotOcr2ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+                                      max_patches=4, **_NORM)
+    processor = pictures_only(InternVLProcessor)(image_processor=images, tokenizer=tok,
+                                                 image_seq_length=4)
+    config = InternVLConfig(
+        text_config={**llama_config("qwen2", layers=layers, vocab=330).to_dict(),
+                     "initializer_range": INIT},
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=8,
+                           initializer_range=INIT),
+        image_token_id=processor.image_token_id, image_seq_length=4, downsample_ratio=0.5,
+        tie_word_embeddings=False)
+    return config, processor
+
+
+def _gemma4(layers: int) -> tuple[Any, Any]:
+    from tiny_hybrid import FAMILIES as TEXT
+    from transformers import (
+        Gemma4AudioFeatureExtractor,
+        Gemma4Config,
+        Gemma4ImageProcessorPil,
+        Gemma4Processor,
+    )
+
+    from ctxpatch.core.images import pictures_only
+
+    roles = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
+             "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"}
+    tok = _tokenizer([*roles.values(), "<|video|>"], roles)
+    ids = {k: tok.convert_tokens_to_ids(v) for k, v in roles.items()}
+    # patches of 8 pixels, pooled 2 x 2 into at most 70 soft tokens (the 4:3 sample picture: 63)
+    images = Gemma4ImageProcessorPil(patch_size=8, pooling_kernel_size=2, max_soft_tokens=70)
+    processor = pictures_only(Gemma4Processor)(
+        feature_extractor=Gemma4AudioFeatureExtractor(), image_processor=images, tokenizer=tok,
+        image_seq_length=70)
+    # the small kind of Gemma 4 text (per-layer embeddings, KV sharing), with bidirectional
+    # attention over the image in its sliding-window layers
+    text = {**TEXT["gemma4_text"][1], "num_hidden_layers": layers, "vocab_size": 330,
+            "vocab_size_per_layer_input": 330, "use_bidirectional_attention": "vision",
+            "initializer_range": INIT, "tie_word_embeddings": False}
+    # (3 layers: global, sliding, global; the last reuses the first's keys and values)
+    text["layer_types"] = (["full_attention", "sliding_attention"] * layers)[:layers - 1] + [
+        "full_attention"]
+    text["num_kv_shared_layers"] = 1
+    config = Gemma4Config(
+        text_config=text, vision_config=dict(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=2, head_dim=8, patch_size=8, pooling_kernel_size=2,
+            position_embedding_size=64, initializer_range=INIT),
+        boi_token_id=ids["boi_token"], eoi_token_id=ids["eoi_token"],
+        image_token_id=ids["image_token"], video_token_id=tok.convert_tokens_to_ids("<|video|>"),
+        boa_token_id=ids["boa_token"], eoa_token_index=ids["eoa_token"],
+        audio_token_id=ids["audio_token"], tie_word_embeddings=False)
+    return config, processor
+
+
 #: family -> builder of (config, processor) with so many text layers
 FAMILIES: dict[str, Callable[[int], tuple[Any, Any]]] = {
     "qwen2_vl": lambda layers: _qwen2_vl(layers),
@@ -199,6 +295,9 @@ FAMILIES: dict[str, Callable[[int], tuple[Any, Any]]] = {
     "aya_vision": _aya_vision,
     "idefics2": _idefics2,
     "smolvlm": _smolvlm,
+    "llava_onevision": _llava_onevision,
+    "internvl": _internvl,
+    "gemma4": _gemma4,
 }
 
 

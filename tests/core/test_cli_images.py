@@ -87,6 +87,6 @@ def test_unsupported_image_text_family_is_named(capsys: pytest.CaptureFixture[st
                                                 tmp_path: Path) -> None:
     from transformers import AutoConfig
 
-    AutoConfig.for_model("llava_onevision").save_pretrained(tmp_path)
+    AutoConfig.for_model("llama4").save_pretrained(tmp_path)
     line = _one_error_line(capsys, _compare(tmp_path, sample_image_path()))
-    assert "'llava_onevision' is not supported yet" in line and "LLaVA" in line
+    assert "'llama4' is not supported yet" in line and "LLaVA" in line

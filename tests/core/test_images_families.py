@@ -173,11 +173,11 @@ def test_unsupported_image_text_family_names_the_supported_ones(
 
     from ctxpatch.app.cli import main
 
-    AutoConfig.for_model("llava_onevision").save_pretrained(tmp_path)
+    AutoConfig.for_model("llama4").save_pretrained(tmp_path)
     assert main(["compare", "--model", str(tmp_path), "--image", str(sample_image_path()),
                  "--query", QUERY, "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "'llava_onevision' is not supported yet" in err[0]
+    assert len(err) == 1 and "'llama4' is not supported yet" in err[0]
     assert all(name in err[0] for name in ("Qwen2-VL", "Mistral 3", "PaliGemma", "Idefics2"))
 
 
