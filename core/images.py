@@ -29,6 +29,9 @@ IMAGE_TEXT_TYPES: dict[str, str] = {
     "idefics3": "Idefics3 and SmolVLM (Idefics3ForConditionalGeneration: image splitting)",
     "qwen2_vl": "Qwen2-VL (Qwen2VLForConditionalGeneration: M-RoPE over the image grid)",
     "qwen2_5_vl": "Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration: M-RoPE, windowed vision)",
+    "qwen3_vl": ("Qwen3-VL (Qwen3VLForConditionalGeneration: interleaved M-RoPE, DeepStack "
+                 "vision features)"),
+    "glm4v": "GLM-4.1V (Glm4vForConditionalGeneration: M-RoPE, GLM-4 language model)",
     "mistral3": "Mistral 3 (Mistral3ForConditionalGeneration: Pixtral tower, image breaks)",
     "paligemma": "PaliGemma and PaliGemma 2 (PaliGemmaForConditionalGeneration: prefix-LM)",
     "aya_vision": "Aya Vision (AyaVisionForConditionalGeneration: pixel shuffle, Cohere 2)",
@@ -60,6 +63,8 @@ class InputRules:
 INPUT_RULES: dict[str, InputRules] = {
     "qwen2_vl": InputRules(plain_positions=True),
     "qwen2_5_vl": InputRules(plain_positions=True),
+    "qwen3_vl": InputRules(plain_positions=True),
+    "glm4v": InputRules(plain_positions=True),
     "paligemma": InputRules(plain_positions=True, token_types="generated"),
 }
 
@@ -294,6 +299,8 @@ class Layout:
 LAYOUTS: dict[str, Layout] = {
     "Qwen2VLProcessor": Layout(around=("<|vision_start|>", "<|vision_end|>")),
     "Qwen2_5_VLProcessor": Layout(around=("<|vision_start|>", "<|vision_end|>")),
+    "Qwen3VLProcessor": Layout(around=("<|vision_start|>", "<|vision_end|>")),
+    "Glm4vProcessor": Layout(around=("<|begin_of_image|>", "<|end_of_image|>")),
     "PaliGemmaProcessor": Layout(image_first_end="\n"),
 }
 

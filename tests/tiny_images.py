@@ -71,6 +71,65 @@ def _qwen2_vl(layers: int, v25: bool = False) -> tuple[Any, Any]:
     return config, processor
 
 
+def _qwen3_vl(layers: int) -> tuple[Any, Any]:
+    from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLProcessor
+
+    from ctxpatch.core.images import pictures_only
+
+    tok = _tokenizer(["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"],
+                     {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
+    # as Qwen2-VL: the 4:3 sample picture at 64 x 48 pixels, 8 x 6 patches of 8, a 4 x 3 grid of
+    # tokens after the 2 x 2 merge
+    images = Qwen2VLImageProcessorPil(min_pixels=IMAGE_SIZE * IMAGE_SIZE,
+                                      max_pixels=4 * IMAGE_SIZE * IMAGE_SIZE, patch_size=8,
+                                      merge_size=2, temporal_patch_size=2, **_NORM)
+    processor = pictures_only(Qwen3VLProcessor)(image_processor=images, tokenizer=tok)
+    ids = {f"{k}_token_id": tok.convert_tokens_to_ids(f"<|{k}|>")
+           for k in ("image_pad", "video_pad", "vision_start", "vision_end")}
+    ids = {k.replace("_pad", ""): v for k, v in ids.items()}
+    # interleaved M-RoPE over the head's 8 rotary dimensions; a Qwen3 language model (q and k
+    # norms) that also takes DeepStack features of the first vision block in its first layer
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True}
+    vision = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=8,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32,
+                  num_position_embeddings=16, deepstack_visual_indexes=[0],
+                  initializer_range=INIT)
+    config = Qwen3VLConfig(text_config=_text(layers, head_dim=8, rope_parameters=rope),
+                           vision_config=vision, **ids)
+    return config, processor
+
+
+def _glm4v(layers: int) -> tuple[Any, Any]:
+    from transformers import Glm4vConfig, Glm4vImageProcessorPil, Glm4vProcessor
+
+    from ctxpatch.core.images import pictures_only
+
+    marks = ["<|image|>", "<|video|>", "<|begin_of_image|>", "<|end_of_image|>",
+             "<|begin_of_video|>", "<|end_of_video|>"]
+    tok = _tokenizer(marks, {"image_token": "<|image|>", "video_token": "<|video|>"})
+    # the 4:3 sample picture at 64 x 48 pixels: 8 x 6 patches of 8, a 4 x 3 grid of tokens after
+    # the 2 x 2 merge
+    images = Glm4vImageProcessorPil(size={"shortest_edge": IMAGE_SIZE * IMAGE_SIZE,
+                                          "longest_edge": 4 * IMAGE_SIZE * IMAGE_SIZE},
+                                    patch_size=8, merge_size=2, temporal_patch_size=2, **_NORM)
+    processor = pictures_only(Glm4vProcessor)(image_processor=images, tokenizer=tok)
+    ids = {f"{k}_token_id": tok.convert_tokens_to_ids(f"<|{k}|>") for k in ("image", "video")}
+    ids.update({f"{k}_{e}_token_id": tok.convert_tokens_to_ids(f"<|{w}_of_{k}|>")
+                for k in ("image", "video") for e, w in (("start", "begin"), ("end", "end"))})
+    # GLM-4's half-rotary heads (2 heads of 16, 8 rotary dimensions), M-RoPE over time, height
+    # and width: sum(mrope_section) = head_dim * partial_rotary_factor / 2
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "mrope_section": [2, 1, 1]}
+    text = _text(layers, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                 rope_parameters=rope)
+    vision = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=8,
+                  image_size=IMAGE_SIZE, spatial_merge_size=2, temporal_patch_size=2,
+                  out_hidden_size=32, initializer_range=INIT)
+    config = Glm4vConfig(text_config=text, vision_config=vision, **ids)
+    return config, processor
+
+
 def _mistral3(layers: int) -> tuple[Any, Any]:
     from transformers import Mistral3Config, PixtralImageProcessorPil
 
@@ -290,6 +349,8 @@ def _gemma4(layers: int) -> tuple[Any, Any]:
 FAMILIES: dict[str, Callable[[int], tuple[Any, Any]]] = {
     "qwen2_vl": lambda layers: _qwen2_vl(layers),
     "qwen2_5_vl": lambda layers: _qwen2_vl(layers, v25=True),
+    "qwen3_vl": _qwen3_vl,
+    "glm4v": _glm4v,
     "mistral3": _mistral3,
     "paligemma": _paligemma,
     "aya_vision": _aya_vision,

@@ -69,7 +69,7 @@ EXAONE4 = declarative(
 )
 
 GLM4 = declarative(
-    "GLM-4", ("glm4",), Layout(out_norm="post_mlp_layernorm"), POST_NORM_CONTROLS,
+    "GLM-4", ("glm4", "glm4v_text"), Layout(out_norm="post_mlp_layernorm"), POST_NORM_CONTROLS,
     notes=("the post-MLP RMSNorm scale is the output control (weight itself, no 1 +)",
            "gate and up are one fused gate_up_proj: one rank-1 patch controls both"),
 )

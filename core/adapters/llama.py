@@ -46,7 +46,7 @@ _NOTES = (
 ADAPTER = Adapter(
     family="Llama / Mistral / Qwen",
     model_types=("llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3",
-                 "qwen2_vl_text", "qwen2_5_vl_text"),  # (the language models of Qwen2(.5)-VL)
+                 "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text"),  # (those of Qwen2(.5)/3-VL)
     sites=sites,
     output_controls=("matrix",),
     notes=_NOTES,
