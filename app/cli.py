@@ -322,9 +322,9 @@ def run_compare(args: argparse.Namespace) -> int:
         record["verification"] = _verify_run(loaded, steps, settings, args.dtype, say,
                                              prompt.pixels)
     if args.json == STDOUT:
-        import json
+        from ctxpatch.core.export import json_text
 
-        print(json.dumps(record, indent=1, ensure_ascii=False))
+        sys.stdout.write(json_text(record))
     elif args.json:
         write_json(args.json, record)
     if args.csv == STDOUT:

@@ -126,9 +126,14 @@ def run_record(
     )
 
 
+def json_text(record: dict[str, Any]) -> str:
+    """Valid JSON whatever the record holds: NaN and infinities (a run past a numerical fault,
+    or a reopened session that carried them) become null."""
+    return json.dumps(_finite(record), indent=1, ensure_ascii=False, allow_nan=False) + "\n"
+
+
 def write_json(path: str | Path, record: dict[str, Any]) -> None:
-    text = json.dumps(record, indent=1, ensure_ascii=False, allow_nan=False) + "\n"
-    write_text(path, text)
+    write_text(path, json_text(record))
 
 
 CSV_COLUMNS = (

@@ -363,3 +363,16 @@ def test_a_full_disk_while_saving_patches_is_one_line(capsys, folder: Path, tmp_
                          "--save-patches", str(tmp_path / "p.safetensors")])
     assert "cannot write" in line and "disk full" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_json_is_valid_whatever_the_record_holds(tmp_path: Path) -> None:
+    """A reopened session may carry infinities or NaN in fields the schema keeps as they are
+    (found by the session fuzz test: an export then failed with 'Out of range float values');
+    every JSON we write says null for them."""
+    import math
+
+    from ctxpatch.core.export import write_json
+
+    write_json(tmp_path / "r.json", {"a": math.inf, "b": [math.nan, 1.0], "c": {"d": -math.inf}})
+    assert json.loads((tmp_path / "r.json").read_text()) == {"a": None, "b": [None, 1.0],
+                                                             "c": {"d": None}}
