@@ -34,3 +34,14 @@ def pytest_report_header() -> str:
         except PackageNotFoundError:
             parts.append(f"{name} not installed")
     return "ctxpatch tested with " + ", ".join(parts)
+
+
+@pytest.fixture(autouse=True)
+def _default_dtype_is_restored():  # type: ignore[no-untyped-def]
+    """Every test starts and ends with torch's default dtype float32, as a user's process does
+    (a test that changed it at import once made later tests pass or fail by order)."""
+    import torch
+
+    assert torch.get_default_dtype() == torch.float32, "a test left the default dtype changed"
+    yield
+    assert torch.get_default_dtype() == torch.float32, "this test left the default dtype changed"

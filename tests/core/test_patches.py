@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from ctxpatch.core.patches import (
@@ -16,7 +17,18 @@ from ctxpatch.core.patches import (
     stable_down_target,
 )
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def _float64_by_default():  # type: ignore[no-untyped-def]
+    """This module's tensors are float64 by default; restored after each test (set at import,
+    it used to leak into every test of a whole run: GLM-4V's vision grid then broke)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def _objective(m: torch.Tensor, y: torch.Tensor, g: torch.Tensor) -> float:
