@@ -157,11 +157,12 @@ class _Host:
         self.values: list[float] = []
 
     def add(self, x: Any) -> Any:
-        """Queue a tensor (any shape) or pass a Python number through; returns a key for `get`."""
+        """Queue a tensor or pass a Python number through; returns a key for `get`: a 0-d tensor
+        comes back as a number, any other as a list."""
         if not isinstance(x, torch.Tensor):
             return ("value", x)
         flat = x.detach().reshape(-1).to(self.device, torch.float64)
-        key = ("slice", self.size, self.size + flat.numel())
+        key = ("slice" if x.ndim else "item", self.size, self.size + flat.numel())
         self.parts.append(flat)
         self.size += flat.numel()
         return key
@@ -171,10 +172,11 @@ class _Host:
 
     def get(self, key: Any) -> Any:
         """The value (a float) or values (a list) queued under ``key``."""
-        if key[0] == "value":
-            return key[1]
-        _, start, stop = key
-        return self.values[start] if stop == start + 1 else self.values[start:stop]
+        kind, *where = key
+        if kind == "value":
+            return where[0]
+        start, stop = where
+        return self.values[start] if kind == "item" else self.values[start:stop]
 
 
 def _decode(tokenizer: Any, token: int) -> str:
@@ -187,13 +189,9 @@ def _queue_top_k(host: _Host, probs: torch.Tensor, k: int) -> tuple[Any, Any]:
 
 
 def _top_k(tokenizer: Any, host: _Host, keys: tuple[Any, Any]) -> TopK:
-    ids = [int(x) for x in _as_list(host.get(keys[0]))]
-    probs = [float(x) for x in _as_list(host.get(keys[1]))]
+    ids = [int(x) for x in host.get(keys[0])]
+    probs = [float(x) for x in host.get(keys[1])]
     return TopK(tuple(ids), tuple(_decode(tokenizer, x) for x in ids), tuple(probs))
-
-
-def _as_list(x: Any) -> list[Any]:
-    return x if isinstance(x, list) else [x]
 
 
 def _queue_side(host: _Host, logits: torch.Tensor, base: torch.Tensor, base_probs: torch.Tensor,
