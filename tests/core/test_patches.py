@@ -106,6 +106,55 @@ def test_rms_fit_is_the_global_minimiser() -> None:
             assert best <= _objective(m, near, target) + 1e-12
 
 
+def _bisection_root(g: torch.Tensor, m: torch.Tensor) -> float:
+    """The secular root by plain bisection (200 halvings of a bracket where F crosses 1): slow
+    and obviously right, the reference for the Newton solve."""
+    gm2, m2 = (g * m) ** 2, m * m
+    live = gm2 > 0
+
+    def f(mu: float) -> float:
+        return float((gm2[live] / (m2[live] - mu) ** 2).sum()) / g.numel()
+
+    hi = float(m2.min())
+    lo = hi - float((g * m).abs().max()) - 1.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if f(mid) < 1 else (lo, mid)
+    return lo
+
+
+def _sphere_error(g: torch.Tensor, m: torch.Tensor, mu: float) -> float:
+    d = m * m - mu
+    y = g * m / torch.where(d == 0, torch.ones_like(d), d)
+    return abs(float(y.pow(2).mean()) - 1)
+
+
+def test_rms_fit_newton_matches_bisection_on_a_sweep() -> None:
+    """The fixed-step Newton solve lands on the sphere as well as 200 bisection steps do, over
+    widths 4 to 640, scales 1e-3 to 1e2 of m and 1e-4 to 1e4 of g, zeros in m, all-positive m,
+    and near-hard cases (the minimising coordinate's g almost zero)."""
+    gen = torch.Generator().manual_seed(11)
+    checked = 0
+    for trial in range(400):
+        n = (4, 16, 64, 640)[trial % 4]
+        m = torch.randn(n, generator=gen) * 10 ** float(torch.empty(1).uniform_(-3, 2, generator=gen))
+        if trial % 3 == 0:
+            m[torch.randint(n, (max(1, n // 10),), generator=gen)] = 0
+        if trial % 5 == 0:
+            m = m.abs() + 1e-3
+        g = torch.randn(n, generator=gen) * 10 ** float(torch.empty(1).uniform_(-4, 4, generator=gen))
+        if trial % 7 == 0:
+            g[(m * m).argmin()] *= 1e-6
+        fit = solve_rms_fit(g, m)
+        if fit.hard_case:
+            continue
+        checked += 1
+        reference = _sphere_error(g, m, _bisection_root(g, m))
+        assert float(fit.mu) < float((m * m).min())
+        assert _sphere_error(g, m, float(fit.mu)) <= max(1e-12, 10 * reference), trial
+    assert checked > 300
+
+
 def test_rms_fit_hard_case() -> None:
     # m_0 = 0 attains min m^2 and g_0 m_0 = 0; the other coordinates are small, so F stays < 1.
     m = torch.tensor([0.0, 1.0, 2.0, 3.0])
