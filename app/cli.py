@@ -16,7 +16,15 @@ from typing import Any, NoReturn
 
 from ctxpatch.core import __version__
 from ctxpatch.core.errors import UserError
-from ctxpatch.core.options import ABSORB_MODES, DEVICE_MAPS, DTYPES, METHODS, PATCH_KINDS, SCOPES
+from ctxpatch.core.options import (
+    ABSORB_MODES,
+    CONTROL_ROWS,
+    DEVICE_MAPS,
+    DTYPES,
+    METHODS,
+    PATCH_KINDS,
+    SCOPES,
+)
 from ctxpatch.core.outputs import STDOUT, check_outputs, check_report
 
 EXAMPLES_COMPARE = """examples:
@@ -116,6 +124,11 @@ def _compare_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-control", action="store_true",
                    help="skip the unpatched model on the reduced sequence (the control): one "
                         "forward less per token; the control's columns are then empty")
+    p.add_argument("--control-row", default=CONTROL_ROWS[0], choices=CONTROL_ROWS,
+                   help="with --absorb all, run the control as a second batch row of the patched "
+                        "pass (batched) or as a pass of its own (separate); auto: batched on "
+                        "GPUs and for 16-bit weights on CPUs, where a second row is nearly free "
+                        "(default auto)")
     p.add_argument("--chat-template", action="store_true",
                    help="wrap context and query in the tokenizer's chat template")
     p.add_argument("--stop-at-eos", action="store_true", help="stop when the baseline ends its text")
@@ -255,6 +268,7 @@ def _settings(args: argparse.Namespace, **overrides: Any) -> Any:
         scope=args.scope, layers=args.layers, keep_bos=args.keep_bos,
         output_control=args.output_control, top_k=args.top_k, stop_at_eos=args.stop_at_eos,
         disabled=frozenset(args.disable), control=not args.no_control,
+        control_row=args.control_row,
     )
     settings = Settings(**{**fields, **overrides})
     settings.validate()

@@ -53,13 +53,42 @@ def last_rows(original: Any, patched: Any, last_only: bool) -> Any:
     return out
 
 
-def rank1_action(x: Tensor, y: Tensor, r: Rank1, last_only: bool) -> Tensor:
+def keep_patched_rows(original: Tensor, patched: Tensor, last_only: bool, batch: int = 1
+                      ) -> Tensor:
+    """``patched`` where a patch acts, ``original`` elsewhere.
+
+    With ``batch`` 1: every row, or with ``last_only`` the query (last) position only (of every
+    stream of a (streams, 1, seq, width) activation). With a larger ``batch`` (the unpatched
+    control batched before the patched row, `core.compare`), the rows are flattened to
+    ``(batch * seq, width)`` and only the last element's rows (its last row with ``last_only``)
+    take the patched values.
+    """
+    if batch > 1:
+        o2, p2 = original.reshape(-1, original.shape[-1]), patched.reshape(-1, patched.shape[-1])
+        tail = 1 if last_only else o2.shape[0] // batch
+        out = o2.clone()
+        out[-tail:] = p2[-tail:]
+        return out.reshape(original.shape)
+    if last_only and patched.shape[-2] > 1:  # (rows last but one: OPT flattens them)
+        out = original.clone()
+        out[..., -1:, :] = patched[..., -1:, :]
+        return out
+    return patched
+
+
+def rank1_action(x: Tensor, y: Tensor, r: Rank1, last_only: bool, batch: int = 1) -> Tensor:
     """``y + u (a . x)`` on every row of a ``(..., rows, width)`` activation (batch is 1; MoE
     and OPT modules see the rows flattened), or on the last row only (the query, as in
-    `query_row`); computed in the patch dtype, cast back to ``y``'s dtype."""
+    `query_row`); with ``batch`` > 1 on the last batch element's rows only (the others are the
+    unpatched control's, `keep_patched_rows`). Computed in the patch dtype, cast back to ``y``'s
+    dtype."""
     ct = r.u.dtype
     x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
-    if last_only:
+    if batch > 1:
+        tail = 1 if last_only else y2.shape[0] // batch
+        out = y2.clone()
+        out[-tail:] = (y2[-tail:].to(ct) + (x2[-tail:].to(ct) @ r.a)[:, None] * r.u).to(y.dtype)
+    elif last_only:
         out = y2.clone()
         out[-1] = (y2[-1].to(ct) + (x2[-1].to(ct) @ r.a) * r.u).to(y.dtype)
     else:

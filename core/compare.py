@@ -15,7 +15,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -35,9 +35,20 @@ from ctxpatch.core.offload import resident
 from ctxpatch.core.patches import Delta, Rank1
 from ctxpatch.core.prompt import ABSORB_MODES, Prompt, check_prompt, reduced_sequence
 from ctxpatch.core.results import ENTRY_BOUND, NO_CONTROL, Side, StepResult, TopK, summarize
-from ctxpatch.core.options import METHODS, ON_FAULT, PATCH_KINDS, SCOPES
-
-
+from ctxpatch.core.options import (
+    CONTROL_ROWS,
+    METHODS,
+    ON_FAULT,
+    PATCH_KINDS,
+    SCOPES,
+    Absorb,
+    ControlRow,
+    Method,
+    OnFault,
+    OutputControl,
+    PatchKind,
+    Scope,
+)
 
 #: the longest top-k list a step records (the window shows a few; the JSON keeps them all)
 MAX_TOP_K = 1000
@@ -48,18 +59,21 @@ class Settings:
     """Everything that decides a run, with the app's defaults."""
 
     max_new_tokens: int = 20  # tokens generated (and patched) per run
-    method: str = "direct"  # "direct" (Theorem 1) or "stable" (Appendix B)
-    absorb: str = "context"  # "context": Y = context segments; "all": Y = everything before
-    scope: str = "all-positions"  # patches act on every reduced position, or on the query only
+    method: Method = "direct"  # "direct" (Theorem 1) or "stable" (Appendix B)
+    absorb: Absorb = "context"  # "context": Y = context segments; "all": Y = everything before
+    scope: Scope = "all-positions"  # patches act on every reduced position, or on the query only
     layers: str = "all"  # "all", "s:", "s:e", "0,5,17"
     keep_bos: bool = False  # absorb "all": keep BOS at position 0 in the reduced sequence
-    output_control: str | None = None  # None: the family's default (the paper's choice)
+    output_control: OutputControl | None = None  # None: the family's default (the paper's choice)
     top_k: int = 5  # top-k lists kept per step
     stop_at_eos: bool = False  # stop when the baseline emits an end-of-sequence token
     keep_patches: bool = False  # keep every step's patch vectors (for --save-patches)
-    disabled: frozenset[str] = frozenset()  # patch kinds left out (negative controls)
-    on_fault: str = "stop"  # a NaN or infinity in logits or patches: "stop" or "continue"
+    disabled: frozenset[PatchKind] = frozenset()  # patch kinds left out (negative controls)
+    on_fault: OnFault = "stop"  # a NaN or infinity in logits or patches: "stop" or "continue"
     control: bool = True  # also run the unpatched model on the reduced sequence (a third pass)
+    # the control as a batch row beside the patched one ("batched": one pass of two rows, whose
+    # time counts as the patched pass's) or a pass of its own; "auto": `batched_control`'s rule
+    control_row: ControlRow = "auto"
 
     def validate(self) -> None:
         for name, value, allowed in (
@@ -75,6 +89,9 @@ class Settings:
             raise UserError(f"top-k must be between 1 and {MAX_TOP_K}, not {self.top_k}")
         if self.on_fault not in ON_FAULT:
             raise UserError(f"unknown on_fault {self.on_fault!r}: use stop or continue")
+        if self.control_row not in CONTROL_ROWS:
+            raise UserError(f"unknown control row {self.control_row!r}: use one of "
+                            f"{', '.join(CONTROL_ROWS)}")
         if not self.disabled <= set(PATCH_KINDS):
             raise UserError(f"disabled patch kinds must be among {', '.join(PATCH_KINDS)}")
 
@@ -372,6 +389,28 @@ class _Plan:
     dtype: torch.dtype  # the patch vectors' compute dtype
     norms: _Norms
     eos: set[int]
+    batched: bool  # the control runs as a batch row beside the patched one
+
+
+def batched_control(loaded: LoadedModel, settings: Settings, sites: dict[int, Any]) -> bool:
+    """Whether the control runs as a second batch row of the patched pass.
+
+    Possible with absorb all, where both passes run the same reduced sequence without a cache
+    (with absorb context the control extends a cache of the reduced prefix instead), in families whose hooks can tell the rows apart (dense layers;
+    not Gemma 3n's AltUp streams). ``control_row`` "batched" or "separate" decides where it is
+    possible; "auto" follows what `ctxpatch bench --control-row` measured (docs/PERFORMANCE.md):
+    a second row is nearly free where a pass is bound by reading the weights (a GPU, 16-bit
+    weights on a CPU) and costs most of a pass where it is not (float32 on a CPU).
+    """
+    if not settings.control or settings.control_row == "separate":
+        return False
+    if settings.absorb != "all":
+        return False
+    if not loaded.adapter.batch_rows or any(s.router is not None for s in sites.values()):
+        return False
+    if settings.control_row == "batched":
+        return True
+    return loaded.device.type != "cpu" or loaded.dtype in (torch.bfloat16, torch.float16)
 
 
 def _plan(loaded: LoadedModel, prompt: Prompt, settings: Settings) -> _Plan:
@@ -406,7 +445,8 @@ def _plan(loaded: LoadedModel, prompt: Prompt, settings: Settings) -> _Plan:
     )
     scale_names = {f"{names[id(s.out_norm)]}.weight" for s in sites.values() if s.out_norm is not None}
     return _Plan(layers, sites, spec, names, dtype, _Norms(model, adapter.norm_offset, scale_names),
-                 _eos_ids(loaded) if settings.stop_at_eos else set())
+                 _eos_ids(loaded) if settings.stop_at_eos else set(),
+                 batched_control(loaded, settings, sites))
 
 
 def iter_token_patches(
@@ -445,6 +485,7 @@ def iter_token_patches(
                     base = last_logits(model, feed, device, cache=base_cache, pixels=prompt.pixels)
                 t1 = time.perf_counter()
                 red_ids, red_pos = reduced_sequence(prompt, history, settings.absorb, settings.keep_bos)
+                ctrl = None
                 if cached_query:
                     assert ctrl_cache is not None
                     if len(red_ids) - 1 > ctrl_len:
@@ -454,12 +495,16 @@ def iter_token_patches(
                         layers, sites, targets, spec, names, dtype, should_stop
                     ) as lps:
                         patched = last_logits(model, red_ids[-1:], device, cache=ctrl_cache)
+                elif plan.batched:  # the control as row 0, the patched sequence as row 1
+                    with patching(layers, sites, targets, replace(spec, batch=2), names, dtype,
+                                  should_stop) as lps:
+                        ctrl, patched = last_logits(model, red_ids, device, positions=red_pos,
+                                                    rows=2)
                 else:
                     with patching(layers, sites, targets, spec, names, dtype, should_stop) as lps:
                         patched = last_logits(model, red_ids, device, positions=red_pos)
                 t2 = time.perf_counter()
-                ctrl = None
-                if not settings.control:
+                if plan.batched or not settings.control:
                     pass  # (scope query still extends the prefix cache above, step by step)
                 elif ctrl_cache is not None:
                     ctrl = last_logits(model, red_ids[ctrl_len:], device, cache=ctrl_cache)

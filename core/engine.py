@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from ctxpatch.core.activations import (
     first_input,
     first_output,
+    keep_patched_rows,
     query_row,
     rank1_action,
     replace_output,
@@ -103,6 +104,9 @@ class PatchSpec:
         stored_dtype: when set, every patch vector is rounded to it before it acts, so the
             run applies exactly the patches that are saved (the patches file is float32) and
             later layers absorb that rounding instead of a verifier meeting it unabsorbed.
+        batch: rows of the reduced forward; the patched sequence is the last, the ones before
+            it (the unpatched control, `core.compare`) are read and changed by no hook. Dense
+            layers only (MoE experts see every row's tokens mixed).
     """
 
     method: str = "direct"
@@ -111,6 +115,7 @@ class PatchSpec:
     disabled: frozenset[str] = frozenset()
     norm_offset: float = 0.0
     stored_dtype: torch.dtype | None = None
+    batch: int = 1
 
 
 def compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
@@ -282,7 +287,8 @@ class _LayerPatcher(MoEHooks):
             self.result.zero_z = either(self.result.zero_z, r.void)  # (then a = 0: no change)
             r = self._rank1(r)
             self.result.patches[self._name(module, "weight")] = r
-            return replace_output(output, rank1_action(x, y, r, self.spec.last_only))
+            return replace_output(output, rank1_action(x, y, r, self.spec.last_only,
+                                                       self.spec.batch))
 
         return hook
 
@@ -294,10 +300,8 @@ class _LayerPatcher(MoEHooks):
         if spec.control == "bias":
             d = self._delta(self._shift() / self.s.branch_scale)
             self.result.patches[self._name(module, "bias")] = d
-            out = y.clone()
-            sl = slice(-1, None) if spec.last_only else slice(None)
-            out[..., sl, :] = (out[..., sl, :].to(d.delta.dtype) + d.delta).to(y.dtype)
-            return replace_output(output, out)
+            out = (y.to(d.delta.dtype) + d.delta).to(y.dtype)
+            return replace_output(output, keep_patched_rows(y, out, spec.last_only, spec.batch))
         post_norm = self.s.out_norm is not None
         if spec.control in ("matrix", "experts") and not post_norm:  # (experts: a dense layer)
             shift = self._shift() / self.s.branch_scale
@@ -318,7 +322,7 @@ class _LayerPatcher(MoEHooks):
         self.result.zero_h = either(self.result.zero_h, r.void)  # (then a = 0: no change)
         r = self._rank1(r)
         self.result.patches[self._name(module, "weight")] = r
-        return replace_output(output, rank1_action(x, y, r, spec.last_only))
+        return replace_output(output, rank1_action(x, y, r, spec.last_only, spec.batch))
 
     def _scale(self) -> Tensor:
         norm = self.s.out_norm
@@ -342,11 +346,7 @@ class _LayerPatcher(MoEHooks):
         weight = resident(module, "weight").detach().to(self.dtype) + dm
         patched = plain_call(module, {"weight": weight}, h)
         y = first_output(output)
-        patched = patched.to(y.dtype)
-        if self.spec.last_only and y.shape[-2] > 1:  # (rows last but one: OPT flattens them)
-            out = y.clone()
-            out[..., -1:, :] = patched[..., -1:, :]
-            patched = out
+        patched = keep_patched_rows(y, patched.to(y.dtype), self.spec.last_only, self.spec.batch)
         return replace_output(output, patched)
 
     def on_block(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:

@@ -45,8 +45,9 @@ def fresh_states(cache: Any) -> None:
 
 def last_logits(model: Any, ids: Sequence[int], device: torch.device, cache: Any = None,
                 positions: Sequence[int] | None = None, pixels: dict[str, Any] | None = None,
-                prompt_length: int | None = None) -> torch.Tensor:
-    """Last-position logits as a float64 CPU vector.
+                prompt_length: int | None = None, rows: int = 1) -> torch.Tensor:
+    """Last-position logits as a float64 CPU vector; with ``rows`` > 1 (no cache, no image),
+    ``ids`` run as that many identical batch rows and the result is ``(rows, vocabulary)``.
 
     ``pixels``: an image's processor inputs (`core.prompt.Prompt.pixels`), for the full run: a run
     over ids from position 0 that contain its image tokens, or (``cache`` holding those) its
@@ -63,16 +64,17 @@ def last_logits(model: Any, ids: Sequence[int], device: torch.device, cache: Any
         past = cache.get_seq_length()
     else:
         kwargs["use_cache"] = False
-    input_ids = torch.tensor([list(ids)], device=device)
+    input_ids = torch.tensor([list(ids)] * rows, device=device)
     if pixels is not None:
         if past == 0:
             kwargs.update(vision_kwargs(model, pixels, input_ids, prompt_length))
     elif positions is None and input_rules(model.config).plain_positions:
         positions = range(past, past + len(ids))
     if positions is not None:
-        kwargs["position_ids"] = torch.tensor([list(positions)], device=device)
+        kwargs["position_ids"] = torch.tensor([list(positions)] * rows, device=device)
     out = model(input_ids=input_ids, **kwargs)
-    return out.logits[0, -1].detach().to("cpu", torch.float64)
+    last = out.logits[:, -1] if rows > 1 else out.logits[0, -1]
+    return last.detach().to("cpu", torch.float64)
 
 
 def extend_cache(model: Any, ids: Sequence[int], device: torch.device, cache: Any) -> None:

@@ -14,6 +14,7 @@ PatchKind = Literal["input", "output"]
 OutputControl = Literal["scale", "matrix", "bias", "experts"]
 DeviceMap = Literal["auto", "balanced", "sequential"]
 OnFault = Literal["stop", "continue"]
+ControlRow = Literal["auto", "batched", "separate"]
 
 DTYPES: tuple[str, ...] = get_args(Dtype)
 METHODS: tuple[str, ...] = get_args(Method)
@@ -23,4 +24,5 @@ PATCH_KINDS: tuple[str, ...] = get_args(PatchKind)
 OUTPUT_CONTROLS: tuple[str, ...] = get_args(OutputControl)
 DEVICE_MAPS: tuple[str, ...] = get_args(DeviceMap)
 ON_FAULT: tuple[str, ...] = get_args(OnFault)
+CONTROL_ROWS: tuple[str, ...] = get_args(ControlRow)
 DEVICES = ("auto", "cpu", "cuda", "mps")  # (and cuda:N)

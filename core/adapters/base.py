@@ -126,6 +126,9 @@ class Adapter:
         norm_offset: the post-norm computes ``(norm_offset + weight) * N(h)`` (Gemma: 1).
         transposed: matrices are stored (in, out) like GPT-2's Conv1D.
         notes: the family's quirks, shown in reports and `--help`.
+        batch_rows: the reduced pass may carry the unpatched control as a second batch row
+            (`core.compare`); False where activations are not ``(batch, seq, width)`` rows the
+            hooks can tell apart (Gemma 3n's AltUp streams).
     """
 
     family: str
@@ -135,6 +138,7 @@ class Adapter:
     norm_offset: float = 0.0
     transposed: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
+    batch_rows: bool = True
 
     def layers(self, model: nn.Module) -> nn.ModuleList:
         """The decoder layers, for a causal LM or the language model inside an image+text model."""

@@ -39,6 +39,7 @@ ADAPTER = Adapter(
     sites=gemma3.sites,  # the same four norms and GeGLU MLP
     output_controls=("scale", "matrix"),
     norm_offset=0.0,
+    batch_rows=False,  # AltUp's (streams, batch, seq, width) activations
     notes=(
         "post-feedforward RMSNorm scale is weight itself (Gemma 2/3: 1 + weight)",
         "RMSNorms compute in float32 even in float64 models (exactness ~1e-8 relative)",

@@ -1,0 +1,97 @@
+"""The unpatched control as a second batch row of the patched pass (issue 22), per family, in
+float64 on the tiny random models: with absorb all, a run with the control batched gives the
+same patched and control logits and the same patches as the run with the control in a pass of
+its own; the hooks leave the control row alone (it stays far from the full-context logits
+while the patched row equals them); and the rule chooses batched only where it can and pays.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from tiny import TINY, gemma3_config, tiny_config, tiny_loaded
+from tiny_hybrid import ALL_LAYERS_ONLY
+
+from ctxpatch.core.adapters import REGISTRY
+from ctxpatch.core.compare import Settings, batched_control, iter_token_patches
+from ctxpatch.core.prompt import build_prompt
+
+QUERY = "The quick brown fox jumps over the lazy dog. Hello world!"
+TOKENS = 3
+EXACT = 1e-6  # of the logit scale, as in test_ground_truth.py
+SAME = 1e-9  # of the logit scale: batching changes the order of float64 sums only
+
+
+def _config(name: str):  # type: ignore[no-untyped-def]
+    if name == "gemma3":
+        return gemma3_config(layers=4)
+    if name in ALL_LAYERS_ONLY:
+        from transformers import AutoConfig
+
+        model_type, overrides = ALL_LAYERS_ONLY[name]
+        return AutoConfig.for_model(model_type, vocab_size=320, **overrides)
+    return tiny_config(name)
+
+
+@functools.cache
+def _loaded(name: str):  # type: ignore[no-untyped-def]
+    return tiny_loaded(_config(name))
+
+
+def _steps(loaded, **kw):  # type: ignore[no-untyped-def]
+    prompt = build_prompt(loaded.tokenizer, "", QUERY)
+    settings = Settings(max_new_tokens=TOKENS, absorb="all", keep_patches=True, **kw)
+    return list(iter_token_patches(loaded, prompt, settings))
+
+
+@pytest.mark.parametrize("name", sorted(["gemma3", *TINY, *ALL_LAYERS_ONLY]))
+@pytest.mark.parametrize("method,scope", [("direct", "all-positions"), ("stable", "query")])
+def test_batched_control_row_equals_separate_passes(name: str, method: str, scope: str) -> None:
+    loaded = _loaded(name)
+    batched = _steps(loaded, method=method, scope=scope, control_row="batched")
+    separate = _steps(loaded, method=method, scope=scope, control_row="separate")
+    for b, s in zip(batched, separate, strict=True):
+        scale = s.logit_scale
+        assert b.baseline_token == s.baseline_token
+        assert b.patched.linf <= EXACT * scale, (b.step, b.patched.linf, scale)
+        # the control row was left alone: still clearly off the full-context logits
+        assert b.control.linf > 1e3 * EXACT * scale
+        assert abs(b.patched.linf - s.patched.linf) <= SAME * scale
+        assert abs(b.control.linf - s.control.linf) <= SAME * scale
+        assert b.control.top_k.ids == s.control.top_k.ids
+        assert b.patches is not None and s.patches is not None
+        assert b.patches.keys() == s.patches.keys()
+        # each kind of vector (u, v, delta) against the largest of its kind in the step (a
+        # patch that is all rounding noise differs in its noise)
+        size = {k.rpartition(".")[2]: 0.0 for k in s.patches}
+        for key, value in s.patches.items():
+            kind = key.rpartition(".")[2]
+            size[kind] = max(size[kind], float(np.abs(value).max()))
+        for key, value in s.patches.items():
+            np.testing.assert_allclose(b.patches[key], value, rtol=1e-7,
+                                       atol=SAME * size[key.rpartition(".")[2]], err_msg=key)
+
+
+def _plan(model_type: str, device: str, dtype: torch.dtype, **settings):  # type: ignore[no-untyped-def]
+    loaded = SimpleNamespace(adapter=REGISTRY[model_type], device=torch.device(device),
+                             dtype=dtype)
+    dense = SimpleNamespace(router=None)
+    sites = {0: SimpleNamespace(router=object()) if model_type == "mixtral" else dense}
+    return batched_control(loaded, Settings(**{"absorb": "all", **settings}), sites)  # type: ignore[arg-type]
+
+
+def test_the_rule_batches_where_it_can_and_pays() -> None:
+    assert _plan("gemma3_text", "cpu", torch.bfloat16)
+    assert _plan("gemma3_text", "cpu", torch.float16)
+    assert _plan("gemma3_text", "cuda", torch.float32)
+    assert not _plan("gemma3_text", "cpu", torch.float32)  # measured: no gain there
+    assert _plan("gemma3_text", "cpu", torch.float32, control_row="batched")
+    assert not _plan("gemma3_text", "cuda", torch.bfloat16, control_row="separate")
+    assert not _plan("gemma3_text", "cuda", torch.bfloat16, control=False)
+    assert not _plan("gemma3_text", "cuda", torch.bfloat16, absorb="context")
+    assert not _plan("mixtral", "cuda", torch.bfloat16, control_row="batched")  # MoE layers
+    assert not _plan("gemma3n_text", "cuda", torch.bfloat16, control_row="batched")  # AltUp
