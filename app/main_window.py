@@ -2,13 +2,15 @@
 
 Data flows one way: the panels' inputs -> a job on the worker (app/jobs.py) -> plain results in
 `RunState` -> the views. The window holds the loaded model only as an opaque handle to give back
-to the next job; it never calls it. Exports, the run list and sessions are in `app.window_files`.
+to the next job; it never calls it. Exports, the run list and sessions are
+`app.window_files.WindowFiles`, held as ``files``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from PySide6.QtCore import QSettings, Qt, QTimer, Signal
@@ -17,6 +19,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
     QMainWindow,
+    QMenu,
     QProgressBar,
     QPushButton,
     QSplitter,
@@ -26,7 +29,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ctxpatch.app.jobs import ModelReady, RunStarted, load_job, run_job
+from ctxpatch.app.jobs import Job, ModelReady, RunStarted, load_job, run_job
 from ctxpatch.app.panels.control_panel import QtControlPanel
 from ctxpatch.app.panels.generation_panel import QtGenerationPanel, plural
 from ctxpatch.app.panels.history_panel import QtHistoryPanel
@@ -42,7 +45,7 @@ log = logging.getLogger("ctxpatch")
 SETTINGS_VERSION = 1
 
 
-class _ErrorBanner(QWidget):
+class Banner(QWidget):
     """One clear line about what went wrong (or an offer, with its button); the window keeps
     working."""
 
@@ -53,7 +56,7 @@ class _ErrorBanner(QWidget):
         self.label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.button = QPushButton(action)
         self.button.setVisible(bool(action))
-        self._callback: Any = None
+        self._callback: Callable[[], None] | None = None
         self.button.clicked.connect(lambda: self._callback and self._callback())
         close = QToolButton()
         close.setText("✕")
@@ -72,12 +75,12 @@ class _ErrorBanner(QWidget):
         self.label.setText(message)
         self.show()
 
-    def offer(self, message: str, callback: Any) -> None:
+    def offer(self, message: str, callback: Callable[[], None]) -> None:
         self._callback = callback
         self.show_message(message)
 
 
-class MainWindow(WindowFiles, QMainWindow):
+class MainWindow(QMainWindow):
     #: a requested run ended: "completed", "cancelled" or "failed"
     run_finished = Signal(str)
     model_ready = Signal()
@@ -98,7 +101,6 @@ class MainWindow(WindowFiles, QMainWindow):
         self._kind = ""
         self._run_after_load = False
         self._outcome = ""
-        self._pending_session: Any = None  # app.jobs.SessionReady, applied when the job ends
         self.last_error = ""
 
         self.model_panel = QtModelPanel()
@@ -107,13 +109,17 @@ class MainWindow(WindowFiles, QMainWindow):
         self.plots = QtPlotsPanel(self.state)
         self.patches = QtPatchPanel(self.state)
         self.controls = QtControlPanel(self.state)
-        self.banner = _ErrorBanner()
-        self.notice = _ErrorBanner(action="Restore", colour="#1565c0")
+        self.banner = Banner()
+        self.notice = Banner(action="Restore", colour="#1565c0")
         self.history_panel = QtHistoryPanel()
-        self.history: list[dict[str, Any]] = []  # finished runs' records, oldest first
-        self.history_index: int | None = None
         self._build_layout()
         self._build_status_bar()
+        self.files = WindowFiles(
+            self, self.state, input_panel=self.input_panel, model_panel=self.model_panel,
+            history_panel=self.history_panel, plots=self.plots, banner=self.banner,
+            notice=self.notice, say=self.status_label.setText, show_error=self.show_error,
+            running=lambda: self.job_kind, start=self._start,
+            session_opened=self.session_opened.emit)
         self._build_actions()
 
         self.model_panel.load_requested.connect(self.load_model)
@@ -121,8 +127,8 @@ class MainWindow(WindowFiles, QMainWindow):
         self.input_panel.cancel_requested.connect(self.cancel)
         self.input_panel.preset_chosen.connect(self._on_preset)
         self.input_panel.problem.connect(self.show_error)
-        self.history_panel.chosen.connect(self.show_run)
-        self.plots.overlay.toggled.connect(lambda _: self._update_overlays())
+        self.history_panel.chosen.connect(self.files.show_run)
+        self.plots.overlay.toggled.connect(lambda _: self.files.update_overlays())
         self.state.subscribe(self._on_state)
 
         self._restore()
@@ -182,7 +188,8 @@ class MainWindow(WindowFiles, QMainWindow):
         bar.addPermanentWidget(self.progress)
         bar.addPermanentWidget(self.device_label)
 
-    def _action(self, menu: Any, text: str, shortcut: Any, slot: Any) -> QAction:
+    def _action(self, menu: QMenu, text: str, shortcut: str | QKeySequence.StandardKey,
+                slot: Callable[[], object]) -> QAction:
         action = QAction(text, self)
         action.setShortcut(QKeySequence(shortcut))
         action.triggered.connect(slot)
@@ -194,15 +201,16 @@ class MainWindow(WindowFiles, QMainWindow):
         file = bar.addMenu("&File")
         self._action(file, "&Open model folder…", QKeySequence.StandardKey.Open,
                      self._on_open_folder)
-        self._action(file, "Open &session…", "Ctrl+Shift+O", lambda: self.open_session())
+        files = self.files
+        self._action(file, "Open &session…", "Ctrl+Shift+O", lambda: files.open_session())
         self._action(file, "Add &image to the context…", "Ctrl+I",
                      self.input_panel.choose_image)
         self.save_action = self._action(file, "&Save session…", QKeySequence.StandardKey.Save,
-                                        lambda: self.save_session())
-        self._action(file, "Save run as &JSON…", "Ctrl+Shift+S", lambda: self.export("json"))
+                                        lambda: files.save_session())
+        self._action(file, "Save run as &JSON…", "Ctrl+Shift+S", lambda: files.export("json"))
         self.export_action = self._action(file, "&Export report (HTML or PDF)…", "Ctrl+E",
-                                          lambda: self.export("report"))
-        self._action(file, "Export per-token &CSV…", "Ctrl+Shift+E", lambda: self.export("csv"))
+                                          lambda: files.export("report"))
+        self._action(file, "Export per-token &CSV…", "Ctrl+Shift+E", lambda: files.export("csv"))
         file.addSeparator()
         self._action(file, "&Quit", QKeySequence.StandardKey.Quit, self.close)
         run = bar.addMenu("&Run")
@@ -222,6 +230,11 @@ class MainWindow(WindowFiles, QMainWindow):
     @property
     def busy(self) -> bool:
         return self.worker is not None
+
+    @property
+    def job_kind(self) -> str | None:
+        """The kind of job on the worker: "load", "run" or "session"; None when idle."""
+        return self._kind if self.worker is not None else None
 
     def load_model(self, run_after: bool = False) -> None:
         if self.busy:
@@ -252,10 +265,10 @@ class MainWindow(WindowFiles, QMainWindow):
             self.worker.requestInterruption()
             self.status_label.setText("Cancelling: stopping before the next layer or token…")
 
-    def _start(self, job: Any, kind: str, message: str) -> None:
+    def _start(self, job: Job, kind: str, message: str) -> None:
         worker = Worker(job, self)
         worker.loaded.connect(self._on_loaded)
-        worker.session_loaded.connect(self._on_session_loaded)
+        worker.session_loaded.connect(self.files.on_session_loaded)
         worker.run_started.connect(self._on_run_started)
         worker.token_done.connect(self.state.add_step)
         worker.progress.connect(self._on_progress)
@@ -313,7 +326,7 @@ class MainWindow(WindowFiles, QMainWindow):
         self.input_panel.set_busy(False)
         self.progress.hide()
         if kind == "session":
-            self._session_finished(outcome)
+            self.files.on_session_job_finished(outcome)
             return
         if kind == "load":
             if outcome != "completed" and self.model is None:
@@ -333,7 +346,7 @@ class MainWindow(WindowFiles, QMainWindow):
         if self.state.running:
             self.state.finish()
         if outcome in ("completed", "cancelled") and self.state.steps:
-            self._remember_run()
+            self.files.remember_run()
         self._report_run(outcome)
         self.run_finished.emit(outcome)
 
@@ -344,9 +357,9 @@ class MainWindow(WindowFiles, QMainWindow):
             return
         word = "Done" if outcome == "completed" else "Cancelled"
         self.status_label.setText(
-            f"{word}: {plural(s['tokens'], 'token')} in {s['seconds']:.1f} s — patched {s['matches']}/"
-            f"{s['tokens']} match, max L∞ {s['max_linf']:.3g}; control {s['control_matches']}/"
-            f"{s['tokens']}, max L∞ {s['control_max_linf']:.3g}")
+            f"{word}: {plural(s['tokens'], 'token')} in {s['seconds']:.1f} s — patched "
+            f"{s['matches']}/{s['tokens']} match, max L∞ {s['max_linf']:.3g}; control "
+            f"{s['control_matches']}/{s['tokens']}, max L∞ {s['control_max_linf']:.3g}")
 
     def show_error(self, message: str) -> None:
         self.last_error = message
@@ -377,6 +390,22 @@ class MainWindow(WindowFiles, QMainWindow):
 
     def _on_open_folder(self) -> None:
         self.model_panel.browse_folder()
+
+    # -- files: the File menu's commands as the window's own (`app.gui` and tests call them) ---
+    def current_record(self) -> dict[str, Any] | None:
+        return self.files.current_record()
+
+    def export(self, kind: str, path: str | None = None) -> bool:
+        return self.files.export(kind, path)
+
+    def save_session(self, path: str | None = None) -> bool:
+        return self.files.save_session(path)
+
+    def open_session(self, path: str | None = None) -> bool:
+        return self.files.open_session(path)
+
+    def offer_autosave(self) -> None:
+        self.files.offer_autosave()
 
     # -- settings -------------------------------------------------------------------------------
     def apply_options(self, options: dict[str, Any]) -> None:

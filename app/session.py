@@ -8,16 +8,18 @@ is deleted on a clean exit, so finding it at start-up means the last session did
 Reading one is checked against a pydantic schema (`Session` below, strict types, bounded ints,
 nesting depth limited by pydantic-core's JSON parser) before anything in the window changes, so a
 damaged, hostile or newer file is one `SessionError` naming what is wrong. Every field the window
-or a report reads has a type here; fields it only carries along (a newer writer's extras) are kept
-as they are. Sessions of schema 0 (one run under ``run``) are read too.
+or a report reads has a type here; the run options take theirs from `core.options`, so a value
+added there is read here. Fields it only carries along (a newer writer's extras) are kept as they
+are. Sessions of schema 0 (one run under ``run``) are read too.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -30,6 +32,20 @@ from pydantic import (
 from typing_extensions import NotRequired, TypedDict  # pydantic needs this TypedDict before 3.12
 
 from ctxpatch.core.errors import UserError
+from ctxpatch.core.options import (
+    Absorb,
+    ControlRow,
+    DeviceMap,
+    Dtype,
+    Method,
+    OnFault,
+    OutputControl,
+    PatchKind,
+    Scope,
+)
+
+if TYPE_CHECKING:
+    from ctxpatch.core.records import Run
 
 FORMAT = "ctxpatch-session"
 SCHEMA_VERSION = 1
@@ -155,11 +171,15 @@ class _RunSettings(TypedDict):
     __pydantic_config__ = _STRICT  # type: ignore[misc]
     max_new_tokens: Int32
     model: NotRequired[str | None]
-    dtype: NotRequired[str | None]
-    method: NotRequired[str | None]
-    absorb: NotRequired[str | None]
+    dtype: NotRequired[Dtype | None]
+    method: NotRequired[Method | None]
+    absorb: NotRequired[Absorb | None]
+    scope: NotRequired[Scope | None]
     layers: NotRequired[str | None]
-    output_control: NotRequired[str | None]
+    output_control: NotRequired[OutputControl | None]
+    disabled: NotRequired[list[PatchKind]]
+    on_fault: NotRequired[OnFault]
+    control_row: NotRequired[ControlRow]
     context: NotRequired[str | None]
     query: NotRequired[str | None]
 
@@ -199,7 +219,7 @@ class _Plan(TypedDict):  # core.controllability.LayerPlan, rebuilt as LayerPlan(
     layer: Int32
     inputs: list[str]
     outputs: list[str]
-    control: str
+    control: OutputControl
     conditions: list[str]
     warnings: list[str]
     frozen_bound: Real
@@ -249,16 +269,16 @@ class _Options(TypedDict, total=False):  # QtModelPanel.save()
     __pydantic_config__ = _STRICT  # type: ignore[misc]
     model: str | None
     recent: list[str]
-    dtype: str | None
-    device: str | None
-    method: str | None
-    absorb: str | None
-    scope: str | None
+    dtype: Dtype | None
+    device: str | None  # DEVICES, or cuda:N
+    method: Method | None
+    absorb: Absorb | None
+    scope: Scope | None
     layers: str | None
-    output_control: str | None
-    disabled: list[str]
-    disable: list[str]
-    device_map: str | None
+    output_control: OutputControl | None
+    disabled: list[PatchKind]
+    disable: list[PatchKind]
+    device_map: Literal["one device", DeviceMap] | None  # the panel's Placement
     max_memory: str | list[str] | None
     offload_folder: str | None
 
@@ -331,7 +351,8 @@ def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
 ADVICE = "open another session or an autosave"
 
 
-def load_session(path: str | Path, should_stop: Any = None) -> dict[str, Any]:
+def load_session(path: str | Path,
+                 should_stop: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Read a session file and check it against `Session`; returns it as schema 1 (the JSON data
     as written, so that a reopened run exports exactly as it was saved).
 
@@ -386,7 +407,7 @@ def load_session(path: str | Path, should_stop: Any = None) -> dict[str, Any]:
     return data
 
 
-def rebuild(record: dict[str, Any], source: str) -> Any:
+def rebuild(record: dict[str, Any], source: str) -> Run:
     """`core.records.run_from_record`, with the patch norms a record holds as null (NaN: JSON has
     none) read back as NaN, as the views and `core.results.conditioning` compute with floats."""
     from dataclasses import replace
@@ -407,7 +428,7 @@ def rebuild(record: dict[str, Any], source: str) -> Any:
     return run
 
 
-def shown_run(data: dict[str, Any], source: str | Path) -> tuple[int | None, Any]:
+def shown_run(data: dict[str, Any], source: str | Path) -> tuple[int | None, Run | None]:
     """The index of the run a checked session shows, and that run rebuilt (`rebuild`), or
     (None, None) for a session without runs."""
     index = current_index(data)

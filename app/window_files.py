@@ -1,16 +1,32 @@
 """What the window reads and writes: the run as JSON, CSV or a report; the run list (history,
 reopened without recomputing, overlaid); sessions and the autosave offered back after a crash.
 
-A mixin of `app.main_window.MainWindow`, whose panels, state and status it uses.
+`WindowFiles` is built by `app.main_window.MainWindow` with the panels it reads and fills and the
+few window functions it calls; the window's File menu, the history panel and the worker's session
+signals call into it. It owns the run list (``history``) and nothing else of the window's.
 """
 
 from __future__ import annotations
 
 import logging
 import traceback
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ctxpatch.app import dialogs
+
+if TYPE_CHECKING:
+    from PySide6.QtWidgets import QWidget
+
+    from ctxpatch.app.jobs import Job, RunStarted, SessionReady
+    from ctxpatch.app.main_window import Banner
+    from ctxpatch.app.panels.history_panel import QtHistoryPanel
+    from ctxpatch.app.panels.input_panel import QtInputPanel
+    from ctxpatch.app.panels.model_panel import QtModelPanel
+    from ctxpatch.app.panels.plots_panel import QtPlotsPanel
+    from ctxpatch.app.state import RunState
+    from ctxpatch.core.records import Run
 
 log = logging.getLogger("ctxpatch")
 #: session files larger than this open on the worker (about 300 tokens a megabyte: a 9,000-token
@@ -19,65 +35,80 @@ SYNC_BYTES = 2 << 20
 
 
 class WindowFiles:
-    """Exports, history and sessions for the main window."""
+    """Exports, the run list and sessions of one window.
 
-    # provided by MainWindow
-    state: Any
-    history: list[dict[str, Any]]
-    history_index: int | None
-    history_panel: Any
-    input_panel: Any
-    model_panel: Any
-    plots: Any
-    notice: Any
-    status_label: Any
-    banner: Any
-    session_opened: Any
-    _kind: str
-    _pending_session: Any
+    Args:
+        window: the parent of the file dialogs.
+        state: the shown run (read for exports, filled when a saved run is shown).
+        input_panel, model_panel: saved into sessions, restored from them.
+        history_panel, plots: the run list and the overlays of the other runs.
+        banner: the error line, hidden when a large session has opened.
+        notice: the line that offers the autosave back.
+        say: sets the status line.
+        show_error: one line in the banner.
+        running: the kind of job on the worker ("load", "run", "session"), None when idle.
+        start: starts a job on the worker (job, kind, status message); a "session" job's
+            payload comes back through `on_session_loaded`, its end through
+            `on_session_job_finished`.
+        session_opened: called with the outcome of every File > Open session ("completed",
+            "cancelled" or "failed").
+    """
 
-    def _start(self, job: Any, kind: str, message: str) -> None:  # provided by MainWindow
-        raise NotImplementedError
-
-    @property
-    def busy(self) -> bool:  # provided by MainWindow
-        raise NotImplementedError
-
-    def show_error(self, message: str) -> None:  # provided by MainWindow
-        raise NotImplementedError
+    def __init__(self, window: QWidget, state: RunState, *, input_panel: QtInputPanel,
+                 model_panel: QtModelPanel, history_panel: QtHistoryPanel, plots: QtPlotsPanel,
+                 banner: Banner, notice: Banner, say: Callable[[str], None],
+                 show_error: Callable[[str], None], running: Callable[[], str | None],
+                 start: Callable[[Job, str, str], None],
+                 session_opened: Callable[[str], None]) -> None:
+        self._window = window
+        self._state = state
+        self._input_panel = input_panel
+        self._model_panel = model_panel
+        self._history_panel = history_panel
+        self._plots = plots
+        self._banner = banner
+        self._notice = notice
+        self._say = say
+        self._show_error = show_error
+        self._running = running
+        self._start = start
+        self._session_opened = session_opened
+        self.history: list[dict[str, Any]] = []  # finished runs' records, oldest first
+        self.history_index: int | None = None  # the one shown
+        self._pending_session: SessionReady | None = None  # applied when its job has ended
 
     # -- exports --------------------------------------------------------------------------------
     def current_record(self) -> dict[str, Any] | None:
         """The shown run as a run record (DESIGN.md "Run JSON"), or None before any run."""
-        if not self.state.steps or self.state.started is None:
+        started: RunStarted | None = self._state.started
+        if not self._state.steps or started is None:
             return None
-        if getattr(self.state.started, "record", None) is not None:
-            return self.state.started.record  # a run reopened from a session
+        if started.record is not None:
+            return started.record  # a run reopened from a session
         from ctxpatch.core.compare import Settings
         from ctxpatch.core.runs import record_of
 
-        started = self.state.started
         extras = ("context", "query", "chat_template", "image")
         known = {k: v for k, v in started.settings.items() if k not in extras}
         extra = {k: started.settings[k] for k in extras if k in started.settings}
         extra.update(model=started.model.get("id"), dtype=started.model.get("dtype"),
                      device=started.model.get("device"))
         return record_of(started.model, started.prompt, Settings.from_dict(known),
-                         self.state.steps, extra, started.plan or None)
+                         self._state.steps, extra, started.plan or None)
 
     def export(self, kind: str, path: str | None = None) -> bool:
         """Write the current run as JSON, CSV or a report (HTML, or PDF by the file's suffix);
         returns whether a file was written."""
         record = self.current_record()
         if record is None:
-            self.show_error("nothing to export yet: run a comparison first")
+            self._show_error("nothing to export yet: run a comparison first")
             return False
         if path is None:
             filters = {"json": "Run JSON (*.json)", "csv": "Per-token CSV (*.csv)",
                        "report": "HTML report (*.html);;PDF report (*.pdf)"}
             default = {"json": "ctxpatch-run.json", "csv": "ctxpatch-run.csv",
                        "report": "ctxpatch-report.html"}[kind]
-            path = dialogs.save_file(self, "export", "Export", default, filters[kind])
+            path = dialogs.save_file(self._window, "export", "Export", default, filters[kind])
             if not path:
                 return False
         from ctxpatch.core.errors import UserError
@@ -87,28 +118,27 @@ class WindowFiles:
             if kind == "json":
                 write_json(path, record)
             elif kind == "csv":
-                write_text(path, steps_csv(self.state.steps))
+                write_text(path, steps_csv(self._state.steps))
             else:
-                from pathlib import Path
-
                 from ctxpatch.app.report import write_report
                 from ctxpatch.app.session import rebuild
 
                 target = Path(path)
-                self.status_label.setText(f"Writing the report {path}…")
+                self._say(f"Writing the report {path}…")
                 write_report(rebuild(record, "the run"), target,
                              target.with_name(f"{target.stem}_plots"))
         except UserError as exc:
-            self.show_error(str(exc))
+            self._show_error(str(exc))
             return False
         except OSError as exc:
-            self.show_error(f"cannot write {path}: {exc.strerror or exc}")
+            self._show_error(f"cannot write {path}: {exc.strerror or exc}")
             return False
-        self.status_label.setText(f"Saved {path}")
+        self._say(f"Saved {path}")
         return True
 
     # -- history and sessions -------------------------------------------------------------------
-    def _remember_run(self) -> None:
+    def remember_run(self) -> None:
+        """Add the run just ended to the run list, and autosave the session."""
         record = self.current_record()
         if record is None:
             return
@@ -116,17 +146,18 @@ class WindowFiles:
 
         self.history = (self.history + [record])[-MAX_RUNS:]
         self.history_index = len(self.history) - 1
-        self.history_panel.set_runs(self.history, self.history_index)
-        self._update_overlays()
+        self._history_panel.set_runs(self.history, self.history_index)
+        self.update_overlays()
         self._autosave_session()
 
-    def _update_overlays(self) -> None:
+    def update_overlays(self) -> None:
+        """The other runs of the list on the plots, when their overlay is ticked."""
         import numpy as np
 
         from ctxpatch.app.panels.history_panel import short_label
 
         runs = []
-        if self.plots.overlay.isChecked():
+        if self._plots.overlay.isChecked():
             for i, record in enumerate(self.history):
                 if i == self.history_index:
                     continue
@@ -137,11 +168,11 @@ class WindowFiles:
                 runs.append((short_label(record, i), series))
         shown = (short_label(self.history[self.history_index], self.history_index)
                  if self.history_index is not None and self.history else "this run")
-        self.plots.set_overlays(runs, shown)
+        self._plots.set_overlays(runs, shown)
 
     def show_run(self, index: int) -> None:
         """Reopen a run of the history (no recomputation)."""
-        if self.busy or not 0 <= index < len(self.history):
+        if self._running() is not None or not 0 <= index < len(self.history):
             return
         from ctxpatch.app.session import rebuild
         from ctxpatch.core.errors import UserError
@@ -149,24 +180,24 @@ class WindowFiles:
         try:
             run = rebuild(self.history[index], f"run #{index + 1}")
         except UserError as exc:
-            self.show_error(str(exc))
+            self._show_error(str(exc))
             return
         self._show(index, run)
 
-    def _show(self, index: int, run: Any) -> None:
+    def _show(self, index: int, run: Run) -> None:
         from ctxpatch.app.report import fill_state
 
-        with self.state.batch():  # the views redraw once, not once per step
-            fill_state(self.state, run)
+        with self._state.batch():  # the views redraw once, not once per step
+            fill_state(self._state, run)
         self.history_index = index
-        self.history_panel.set_runs(self.history, index)
-        self._update_overlays()
-        self.status_label.setText(f"Showing run #{index + 1} (saved; not recomputed)")
+        self._history_panel.set_runs(self.history, index)
+        self.update_overlays()
+        self._say(f"Showing run #{index + 1} (saved; not recomputed)")
 
     def _session(self) -> dict[str, Any]:
         from ctxpatch.app.session import session_dict
 
-        return session_dict(self.input_panel.save(), self.model_panel.save(), self.history,
+        return session_dict(self._input_panel.save(), self._model_panel.save(), self.history,
                             self.history_index)
 
     def _autosave_session(self) -> None:
@@ -180,8 +211,8 @@ class WindowFiles:
 
     def save_session(self, path: str | None = None) -> bool:
         if path is None:
-            path = dialogs.save_file(self, "session", "Save session", "ctxpatch-session.json",
-                                     "ctxpatch session (*.json)")
+            path = dialogs.save_file(self._window, "session", "Save session",
+                                     "ctxpatch-session.json", "ctxpatch session (*.json)")
             if not path:
                 return False
         from ctxpatch.app.session import save_session
@@ -190,9 +221,9 @@ class WindowFiles:
         try:
             save_session(path, self._session())
         except (UserError, OSError) as exc:
-            self.show_error(f"cannot save the session {path}: {exc}")
+            self._show_error(f"cannot save the session {path}: {exc}")
             return False
-        self.status_label.setText(f"Saved the session {path}")
+        self._say(f"Saved the session {path}")
         return True
 
     def open_session(self, path: str | None = None) -> bool:
@@ -200,11 +231,11 @@ class WindowFiles:
         with progress, Esc cancelling. Returns whether it opened or started opening;
         ``session_opened(outcome)`` follows either way. A bad file is one line in the banner,
         and the window keeps what it showed."""
-        if self.busy:
-            self.show_error("a job is running: cancel it (Esc) before opening a session")
+        if self._running() is not None:
+            self._show_error("a job is running: cancel it (Esc) before opening a session")
             return False
         if path is None:
-            path = dialogs.open_file(self, "session", "Open session",
+            path = dialogs.open_file(self._window, "session", "Open session",
                                      "ctxpatch session (*.json)")
             if not path:
                 return False
@@ -227,29 +258,31 @@ class WindowFiles:
             data = load_session(path)
             index, run = shown_run(data, f"the session {path}")
         except UserError as exc:
-            self.show_error(str(exc))
-            self.session_opened.emit("failed")
+            self._show_error(str(exc))
+            self._session_opened("failed")
             return False
         self.apply_session(data, index, run)
-        self.status_label.setText(f"Opened the session {path}")
-        self.session_opened.emit("completed")
+        self._say(f"Opened the session {path}")
+        self._session_opened("completed")
         return True
 
-    def _on_session_loaded(self, ready: Any) -> None:
-        self._pending_session = ready  # applied once the job has ended (`_session_finished`)
+    def on_session_loaded(self, ready: SessionReady) -> None:
+        """A large session, read and checked on the worker (``start``'s "session" job)."""
+        self._pending_session = ready  # applied once the job has ended
 
-    def _session_finished(self, outcome: str) -> None:
+    def on_session_job_finished(self, outcome: str) -> None:
+        """The "session" job ended: show what it read, or say why nothing changed."""
         ready, self._pending_session = self._pending_session, None
         if outcome == "completed" and ready is not None:
-            self.banner.hide()
+            self._banner.hide()
             self.apply_session(ready.data, ready.index, ready.run)
-            self.status_label.setText(f"Opened the session {ready.path}")
+            self._say(f"Opened the session {ready.path}")
         elif outcome == "cancelled":
-            self.status_label.setText("Opening the session cancelled; nothing changed")
-        self.session_opened.emit(outcome)
+            self._say("Opening the session cancelled; nothing changed")
+        self._session_opened(outcome)
 
-    def apply_session(self, data: dict[str, Any], index: int | None = None, run: Any = None,
-                      source: str = "the session") -> None:
+    def apply_session(self, data: dict[str, Any], index: int | None = None,
+                      run: Run | None = None, source: str = "the session") -> None:
         """Show a session checked by `app.session.load_session`; ``run`` is its shown run
         (``index``), rebuilt before anything changes (`app.session.shown_run`) when not given.
 
@@ -263,11 +296,11 @@ class WindowFiles:
         options = {k: v for k, v in (data.get("options") or {}).items()
                    if k not in NOT_FROM_SESSIONS}
         if options:
-            self.model_panel.restore(options)
+            self._model_panel.restore(options)
         if data.get("inputs"):
-            self.input_panel.restore(data["inputs"])
-        self.history = list(data.get("runs") or [])
-        self.history_panel.set_runs(self.history, index)
+            self._input_panel.restore(data["inputs"])
+        self.history, self.history_index = list(data.get("runs") or []), index
+        self._history_panel.set_runs(self.history, index)
         if index is not None and run is not None:
             self._show(index, run)
 
@@ -297,22 +330,22 @@ class WindowFiles:
         def restore() -> None:
             from ctxpatch.core.errors import UserError
 
-            if self.busy and self._kind != "load":  # a model may load meanwhile; not a run
-                self.show_error("a job is running: cancel it (Esc) before restoring the autosave")
+            if self._running() not in (None, "load"):  # a model may load meanwhile; not a run
+                self._show_error("a job is running: cancel it (Esc) before restoring the autosave")
                 return
-            self.notice.hide()
+            self._notice.hide()
             try:
                 self.apply_session(data, source="the autosave")
             except UserError as exc:
-                self.show_error(f"cannot restore the autosave: {exc}")
+                self._show_error(f"cannot restore the autosave: {exc}")
                 return
-            self.status_label.setText("Restored the autosave")
+            self._say("Restored the autosave")
 
-        self.notice.offer(f"ctxpatch did not close cleanly last time: restore its "
+        self._notice.offer(f"ctxpatch did not close cleanly last time: restore its "
                           f"{len(data['runs'])} run(s) and inputs"
                           + (f" (saved {when})" if when else "") + "?", restore)
 
-    def _autosave_unreadable(self, path: Any, problem: str) -> None:
+    def _autosave_unreadable(self, path: Path, problem: str) -> None:
         from ctxpatch.app.session import move_aside
 
         try:
@@ -320,5 +353,5 @@ class WindowFiles:
         except OSError as exc:  # left as it is: the next start says so again
             where = f"it could not be moved aside ({exc.strerror or exc})"
         log.warning("autosave %s is %s: %s", path, problem, where)
-        self.show_error(f"The autosave of the last session is {problem} and cannot be "
+        self._show_error(f"The autosave of the last session is {problem} and cannot be "
                         f"restored: {where}")

@@ -41,7 +41,7 @@ def test_save_reopen_and_reexport_without_recomputing(qtbot: Any, fresh: Any, ti
     w.input_panel.query.setPlainText("Where does Alice live?")
     _run(qtbot, w, 3)
     _run(qtbot, w, 4, "stable")
-    assert len(w.history) == 2 and w.history_panel.runs.count() == 2
+    assert len(w.files.history) == 2 and w.history_panel.runs.count() == 2
     panes = w.generation.pane_texts()
     assert w.save_session(str(tmp_path / "s.json"))
     assert w.export("json", str(tmp_path / "a.json"))
@@ -66,7 +66,7 @@ def test_save_reopen_and_reexport_without_recomputing(qtbot: Any, fresh: Any, ti
 def test_an_old_schema_session_opens(fresh: Any) -> None:
     w = fresh()
     assert w.open_session(str(FIXTURE)), w.last_error
-    assert len(w.state.steps) == 3 and len(w.history) == 1
+    assert len(w.state.steps) == 3 and len(w.files.history) == 1
     assert w.input_panel.context.toPlainText() == "Alice lives in Paris."
     assert "Alice lives in Paris." in w.generation.pane_texts()[0]
 
@@ -234,14 +234,14 @@ def test_opening_a_bad_session_is_one_line_and_changes_nothing(fresh: Any, tmp_p
     w = fresh()
     assert w.open_session(str(FIXTURE))
     w.input_panel.query.setPlainText("my unsaved question")
-    before = (list(w.state.steps), list(w.history), w.generation.pane_texts())
+    before = (list(w.state.steps), list(w.files.history), w.generation.pane_texts())
     bad = tmp_path / "bad.json"
     bad.write_bytes(content)
     assert not w.open_session(str(bad))
     message = w.last_error
     assert message.startswith(f"the session {bad} is ") and says in message, message
     assert "\n" not in message and "internal error" not in message and w.banner.isVisible()
-    assert (list(w.state.steps), list(w.history), w.generation.pane_texts()) == before
+    assert (list(w.state.steps), list(w.files.history), w.generation.pane_texts()) == before
     assert w.input_panel.query.toPlainText() == "my unsaved question"
     assert bad.read_bytes() == content
 
@@ -300,7 +300,7 @@ def test_a_9000_step_session_opens_on_the_worker(qtbot: Any, fresh: Any, tmp_pat
         assert w.busy and time.perf_counter() - start < 1.0  # the GUI thread is free meanwhile
     assert blocker.args == ["completed"], w.last_error
     assert time.perf_counter() - start < 90  # it took over 150 s (quadratic) before issue 19
-    assert len(w.state.steps) == 9000 and len(w.history) == 1 and progress
+    assert len(w.state.steps) == 9000 and len(w.files.history) == 1 and progress
     assert w.plots.curves[("linf", "patched")].getData()[0].size == 9000
     assert w.status_label.text() == f"Opened the session {path}"
 
@@ -313,7 +313,7 @@ def test_opening_a_large_session_can_be_cancelled(qtbot: Any, fresh: Any, tmp_pa
         assert w.open_session(str(path))
         w.cancel()  # Esc
     assert blocker.args == ["cancelled"]
-    assert len(w.state.steps) == 3 and len(w.history) == 1 and not w.busy
+    assert len(w.state.steps) == 3 and len(w.files.history) == 1 and not w.busy
     assert "cancelled" in w.status_label.text()
 
 
@@ -326,3 +326,59 @@ def test_a_bad_large_session_fails_on_the_worker_with_one_line(qtbot: Any, fresh
         assert w.open_session(str(path))
     assert blocker.args == ["failed"] and "match: Input should be a valid boolean" in w.last_error
     assert "\n" not in w.last_error and not w.state.steps
+
+
+# -- issue 21: the option values are core.options' -----------------------------------------------
+def _options_session(where: str, key: str, value: Any) -> bytes:
+    """A schema-1 session with ``value`` as option ``key`` of its options or its run's settings."""
+    def mutate(data: dict[str, Any]) -> None:
+        data.update(schema_version=1, runs=[data.pop("run")], current=0, options={})
+        target = data["options"] if where == "options" else data["runs"][0]["settings"]
+        target[key] = value
+    return _json(mutate)
+
+
+def test_sessions_read_the_option_values_of_core_options(tmp_path: Path) -> None:
+    """Adding a value in core.options is the only edit for sessions to read it; an unknown value
+    is one line naming the field."""
+    from ctxpatch.app.session import SessionError
+    from ctxpatch.core import options
+
+    single = {"dtype": options.DTYPES, "method": options.METHODS,
+              "absorb": options.ABSORB_MODES, "scope": options.SCOPES,
+              "output_control": options.OUTPUT_CONTROLS}
+    cases = [(where, key, v) for where in ("options", "settings")
+             for key, values in single.items() for v in (*values, None)]
+    cases += [(where, "disabled", [kind]) for where in ("options", "settings")
+              for kind in options.PATCH_KINDS]
+    cases += [("options", "device_map", v) for v in ("one device", *options.DEVICE_MAPS)]
+    cases += [("settings", "on_fault", v) for v in options.ON_FAULT]
+    path = tmp_path / "s.json"
+    for where, key, value in cases:
+        path.write_bytes(_options_session(where, key, value))
+        load_session(path)
+    bad = [(where, key, "nonsense") for where in ("options", "settings") for key in single]
+    bad += [("options", "disabled", ["nonsense"]), ("options", "device_map", "nonsense"),
+            ("settings", "on_fault", "nonsense")]
+    for where, key, value in bad:
+        path.write_bytes(_options_session(where, key, value))
+        with pytest.raises(SessionError, match=rf"\.{key}(\[0\])?: Input should be .*"
+                                               "got 'nonsense'"):
+            load_session(path)
+
+
+def test_the_session_schema_spells_no_option_value() -> None:
+    """No ``Literal[...]`` of app/session.py repeats a value of core.options."""
+    import ast
+
+    from ctxpatch.app import session as app_session
+    from ctxpatch.core import options
+
+    tree = ast.parse(Path(app_session.__file__).read_text())
+    spelled = {node.value for literal in ast.walk(tree) if isinstance(literal, ast.Subscript)
+               and isinstance(literal.value, ast.Name) and literal.value.id == "Literal"
+               for node in ast.walk(literal.slice) if isinstance(node, ast.Constant)}
+    values = {*options.DTYPES, *options.METHODS, *options.ABSORB_MODES, *options.SCOPES,
+              *options.PATCH_KINDS, *options.OUTPUT_CONTROLS, *options.DEVICE_MAPS,
+              *options.ON_FAULT}
+    assert "one device" in spelled and not spelled & values

@@ -132,10 +132,10 @@ def test_the_window_survives_any_session_or_autosave(window: MainWindow, tmp_pat
         assert "\n" not in w.last_error and "internal error" not in w.last_error
         # File > Open session: it opens, or one line and nothing changes
         path.write_bytes(content)
-        before = (list(w.state.steps), list(w.history))
+        before = (list(w.state.steps), list(w.files.history))
         if w.open_session(str(path)):
             data = load_session(path)
-            run = data["runs"][w.history_index] if data["runs"] else None
+            run = data["runs"][w.files.history_index] if data["runs"] else None
             assert len(w.state.steps) == (len(run["steps"]) if run else len(before[0]))
             summary = w.state.summary()
             assert summary["tokens"] == len(w.state.steps)
@@ -145,7 +145,7 @@ def test_the_window_survives_any_session_or_autosave(window: MainWindow, tmp_pat
         else:
             assert "\n" not in w.last_error and "internal error" not in w.last_error
             assert w.last_error.startswith(f"the session {path} is ")
-            assert (list(w.state.steps), list(w.history)) == before
+            assert (list(w.state.steps), list(w.files.history)) == before
         assert path.read_bytes() == content
 
     try:
