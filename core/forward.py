@@ -43,6 +43,20 @@ def fresh_states(cache: Any) -> None:
                                       for k, v in value.items()})
 
 
+@contextmanager
+def rolled_back(cache: Any) -> Iterator[None]:
+    """Undo whatever forwards inside the block append to a DynamicCache: its layers replace,
+    not mutate, their key and value tensors, and `fresh_states` gives the states a forward
+    updates in place fresh copies, so restoring each layer's attributes restores the cache."""
+    saved = [dict(layer.__dict__) for layer in cache.layers]
+    try:
+        yield
+    finally:
+        for layer, state in zip(cache.layers, saved, strict=True):
+            layer.__dict__.clear()
+            layer.__dict__.update(state)
+
+
 def last_logits(model: Any, ids: Sequence[int], device: torch.device, cache: Any = None,
                 positions: Sequence[int] | None = None, pixels: dict[str, Any] | None = None,
                 prompt_length: int | None = None, rows: int = 1) -> torch.Tensor:

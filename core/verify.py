@@ -5,6 +5,14 @@ For each step of a patches file, the patches are written into the weights (``W +
 input ids, and its last-position logits are compared with the unpatched model on the full ids.
 With scope "query" the reduced prefix runs with the original weights into a KV cache first and
 only the last token runs with the patched weights, which is what that scope means.
+
+Both caches are fed as the run fed its own (`core.compare`) and as generation does: the first
+step's ids in one forward, then only the ids each later step appends (`_Fed`). A fresh forward
+over all the ids is the same function, but not the same rounding wherever transformers computes
+in float32 inside a float64 model: Qwen3-Next's and Qwen 3.5's gated delta rule
+(``torch_chunk_gated_delta_rule`` scans a sequence in chunks, ``torch_recurrent_gated_delta_rule``
+takes a cached token, both in float32) give a cached and a fresh float64 forward logits ~1e-6 of
+their scale apart, which a fresh reference would charge to the patches (issue 16).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import torch
 
 from ctxpatch.core.errors import Cancelled, UserError
 from ctxpatch.core.export import PATCHES_FORMATS, patch_step_meta
-from ctxpatch.core.forward import last_logits, logit_distance, written_
+from ctxpatch.core.forward import last_logits, logit_distance, rolled_back, written_
 from ctxpatch.core.loading import LoadedModel
 
 _NAME = re.compile(r"^step\.(\d+)\.(.+?)(?:\[(\d+)\])?\.(u|v|delta)$")
@@ -196,6 +204,32 @@ def materialized(model: torch.nn.Module, patches: dict[tuple[str, int | None], d
         yield
 
 
+class _Fed:
+    """A KV cache fed as a run feeds its own: ids that extend the ones already fed (with the same
+    positions) run alone through the cache, anything else starts a new cache."""
+
+    def __init__(self, model: Any, device: torch.device) -> None:
+        self.model, self.device = model, device
+        self.cache: Any = None
+        self.fed: list[tuple[int, int | None]] = []
+
+    def feed(self, ids: Sequence[int], positions: Sequence[int] | None = None,
+             logits: bool = True, **kwargs: Any) -> torch.Tensor | None:
+        """Bring the cache to ``ids``; their last logits (None when nothing new ran and
+        ``logits`` is off). ``kwargs`` go to `last_logits` (the picture, for a new cache)."""
+        from transformers import DynamicCache
+
+        items = list(zip(ids, [None] * len(ids) if positions is None else positions, strict=True))
+        n = len(self.fed)
+        if self.cache is None or items[:n] != self.fed or (logits and len(items) == n):
+            self.cache, self.fed, n = DynamicCache(config=self.model.config), [], 0
+        new, self.fed = items[n:], items
+        if not new:
+            return None
+        return last_logits(self.model, [i for i, _ in new], self.device, self.cache,
+                           None if positions is None else [int(p) for _, p in new], **kwargs)
+
+
 @dataclass(frozen=True)
 class StepCheck:
     step: int
@@ -239,8 +273,6 @@ def verify_patches(
 
     ``pixels``: the image's inputs (`image_pixels`) when the full ids hold image tokens.
     """
-    from transformers import DynamicCache
-
     model, device = loaded.model, loaded.device
     image_token = getattr(model.config, "image_token_id", None)
     if pixels is None and image_token is not None and any(
@@ -249,20 +281,22 @@ def verify_patches(
     check_against(model, pf)
     query_scope = pf.metadata.get("scope") == "query"
     checks: list[StepCheck] = []
+    full_run, prefix = _Fed(model, device), _Fed(model, device)
 
     with torch.inference_mode():
         for t, meta in enumerate(pf.steps):
             if should_stop is not None and should_stop():
                 raise Cancelled
-            full = last_logits(model, meta["full_input_ids"], device, pixels=pixels,
-                               prompt_length=len(pf.steps[0]["full_input_ids"]))
+            full = full_run.feed(meta["full_input_ids"], pixels=pixels,
+                                 prompt_length=len(pf.steps[0]["full_input_ids"]))
+            assert full is not None
             red, pos = meta["reduced_input_ids"], meta["reduced_position_ids"]
             step_patches = pf.patches.get(t, {})
             if query_scope and len(red) > 1:
-                cache = DynamicCache(config=model.config)
-                last_logits(model, red[:-1], device, cache, None if pos is None else pos[:-1])
-                with materialized(model, step_patches):
-                    patched = last_logits(model, red[-1:], device, cache, None if pos is None else pos[-1:])
+                prefix.feed(red[:-1], None if pos is None else pos[:-1], logits=False)
+                with rolled_back(prefix.cache), materialized(model, step_patches):
+                    patched = last_logits(model, red[-1:], device, prefix.cache,
+                                          None if pos is None else pos[-1:])
             else:
                 with materialized(model, step_patches):
                     patched = last_logits(model, red, device, positions=pos)

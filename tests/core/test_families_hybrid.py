@@ -121,6 +121,40 @@ def test_scope_query_keeps_the_control_and_the_patched_run(name: str) -> None:
         assert b.patched.match and b.patched.linf <= EXACT * b.logit_scale
 
 
+@pytest.mark.parametrize("absorb,scope", [("context", "all-positions"), ("context", "query"),
+                                          ("all", "all-positions")])
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_text"])
+def test_verify_feeds_its_caches_as_the_run_did(tmp_path: Path, name: str, absorb: str,
+                                                scope: str) -> None:
+    """Issue 16: transformers' gated delta rule computes in float32 even in a float64 model, and
+    its chunked scan (a fresh forward) and recurrent step (a cached token) round apart, so the
+    model's cached and fresh full-context logits differ by up to ~1e-6 of their scale (Qwen3-Next).
+    Verify feeds its caches as the run did (`core.verify._Fed`), so float64 patches written into
+    the weights reproduce the run far below that (against fresh forwards these runs were 4e-8
+    (Qwen 3.5) and 5e-7 (Qwen3-Next; 1.7e-6 over 5 tokens) of the scale off)."""
+    from tiny import tiny_config
+
+    loaded = tiny_loaded(tiny_config(name)) if name == "qwen3_next" else _loaded(name)
+    _, settings, steps = _run(loaded, absorb=absorb, scope=scope, keep_patches=True)
+    path = tmp_path / "p.safetensors"
+    save_patches(path, steps, "tiny", "float64", settings)
+    checks = verify_patches(loaded, read_patches(path))
+    assert len(checks) == TOKENS and all(c.match for c in checks)
+    assert max(c.linf / c.scale for c in checks) <= EXACT / 100
+    # the model's own cached and fresh forwards are further apart than that
+    from transformers import DynamicCache
+
+    model, device, gaps, fed = loaded.model, loaded.device, [], 0
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        for s in steps:
+            ids = list(s.full_input_ids)
+            cached, fed = last_logits(model, ids[fed:], device, cache=cache), len(ids)
+            fresh = last_logits(model, ids, device)
+            gaps.append(float((cached - fresh).abs().max() / fresh.abs().max()))
+    assert max(gaps) > EXACT / 100, gaps
+
+
 def test_gemma4_tiny_model_shares_kv_and_has_per_layer_inputs() -> None:
     model = _loaded("gemma4_text").model
     layers = model.model.layers
