@@ -14,13 +14,14 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import numpy as np
 import torch
 
+from ctxpatch.core.adapters.base import LayerSites
+from ctxpatch.core.controllability import output_plan
 from ctxpatch.core.engine import (
     LayerPatch,
     PatchSpec,
@@ -29,7 +30,7 @@ from ctxpatch.core.engine import (
     recording,
 )
 from ctxpatch.core.errors import Cancelled, UserError
-from ctxpatch.core.forward import extend_cache, last_logits
+from ctxpatch.core.forward import extend_cache, last_logits, rolled_back
 from ctxpatch.core.loading import LoadedModel
 from ctxpatch.core.offload import resident
 from ctxpatch.core.patches import Delta, Rank1
@@ -271,7 +272,7 @@ def _queue_patch_norms(host: _Host, lp: LayerPatch) -> dict[str, dict[str, Any]]
     out: dict[str, dict[str, Any]] = {}
     for name, patch in lp.patches.items():
         if isinstance(patch, Rank1):
-            out[name] = {"frobenius": host.add(patch.u.norm() * patch.a.norm()),
+            out[name] = {"frobenius": host.add(patch.frobenius()),
                          "top": host.add(patch.u.abs().max() * patch.a.abs().max())}
         else:
             out[name] = {"l2": host.add(patch.delta.norm()),
@@ -329,18 +330,6 @@ def _patch_arrays(lps: dict[int, LayerPatch], transposed: bool) -> dict[str, np.
     return arrays
 
 
-@contextmanager
-def _rollback(cache: Any) -> Iterator[None]:
-    """Undo whatever a forward appends to a DynamicCache (its layers replace, not mutate, tensors)."""
-    saved = [dict(layer.__dict__) for layer in cache.layers]
-    try:
-        yield
-    finally:
-        for layer, state in zip(cache.layers, saved, strict=True):
-            layer.__dict__.clear()
-            layer.__dict__.update(state)
-
-
 def _eos_ids(loaded: LoadedModel) -> set[int]:
     ids: set[int] = set()
     for source in (getattr(loaded.model, "generation_config", None), loaded.tokenizer):
@@ -383,7 +372,7 @@ class _Plan:
     """What a run needs beyond its settings, decided once before the first token."""
 
     layers: Any  # all decoder layers
-    sites: dict[int, Any]  # the patched layers' handles
+    sites: dict[int, LayerSites]  # the patched layers' handles
     spec: PatchSpec
     names: dict[int, str]  # id(module) -> qualified name
     dtype: torch.dtype  # the patch vectors' compute dtype
@@ -413,26 +402,23 @@ def batched_control(loaded: LoadedModel, settings: Settings, sites: dict[int, An
     return loaded.device.type != "cpu" or loaded.dtype in (torch.bfloat16, torch.float16)
 
 
-def _plan(loaded: LoadedModel, prompt: Prompt, settings: Settings) -> _Plan:
-    """Every check before the first token (settings, prompt, length, layers, control), and what
-    the loop needs."""
-    settings.validate()
-    check_prompt(prompt, settings.absorb)
+def plan_patching(loaded: LoadedModel, settings: Settings
+                  ) -> tuple[Any, dict[int, LayerSites], PatchSpec]:
+    """The run's layers, the patched layers' sites and the `PatchSpec` with each layer's
+    `OutputPlan`: decided here once, for the run (`_plan`) and for its controllability report
+    (`core.controllability.plan`).
+
+    Raises:
+        UserError: on an output control the model (or its output matrix: a bias) does not
+            offer, or a layer selection it does not have.
+    """
     control = resolve_control(loaded, settings)
     model, adapter = loaded.model, loaded.adapter
-    limit = _max_positions(model)
-    full = len(prompt.full_ids)
-    if limit is not None and full + settings.max_new_tokens > limit:
-        raise UserError(
-            f"input too long: {full} prompt tokens + {settings.max_new_tokens} new tokens "
-            f"exceed the model's {limit} positions (shorten the context or generate fewer tokens)"
-        )
     layers = adapter.layers(model)
     sites = {i: adapter.sites(layers[i]) for i in parse_layers(settings.layers, len(layers))}
     if control == "bias" and any(getattr(s.out_matrix, "bias", None) is None for s in sites.values()):
         raise UserError(f"this {adapter.family} model's output matrix has no bias: "
                         "use the output control 'matrix'")
-    names = {id(m): n for n, m in model.named_modules()}
     dtype = compute_dtype(loaded.dtype)
     spec = PatchSpec(
         method=settings.method,
@@ -442,7 +428,28 @@ def _plan(loaded: LoadedModel, prompt: Prompt, settings: Settings) -> _Plan:
         norm_offset=adapter.norm_offset,
         # kept patches are saved in float32 unless the run is float64 (patches format /2)
         stored_dtype=torch.float32 if settings.keep_patches and dtype != torch.float64 else None,
+        outputs={i: output_plan(s, control, settings.method, settings.disabled)
+                 for i, s in sites.items()},
     )
+    return layers, sites, spec
+
+
+def _plan(loaded: LoadedModel, prompt: Prompt, settings: Settings) -> _Plan:
+    """Every check before the first token (settings, prompt, control, layers, length), and what
+    the loop needs."""
+    settings.validate()
+    check_prompt(prompt, settings.absorb)
+    layers, sites, spec = plan_patching(loaded, settings)
+    model, adapter = loaded.model, loaded.adapter
+    limit = _max_positions(model)
+    full = len(prompt.full_ids)
+    if limit is not None and full + settings.max_new_tokens > limit:
+        raise UserError(
+            f"input too long: {full} prompt tokens + {settings.max_new_tokens} new tokens "
+            f"exceed the model's {limit} positions (shorten the context or generate fewer tokens)"
+        )
+    names = {id(m): n for n, m in model.named_modules()}
+    dtype = compute_dtype(loaded.dtype)
     scale_names = {f"{names[id(s.out_norm)]}.weight" for s in sites.values() if s.out_norm is not None}
     return _Plan(layers, sites, spec, names, dtype, _Norms(model, adapter.norm_offset, scale_names),
                  _eos_ids(loaded) if settings.stop_at_eos else set(),
@@ -491,7 +498,7 @@ def iter_token_patches(
                     if len(red_ids) - 1 > ctrl_len:
                         extend_cache(model, red_ids[ctrl_len:-1], device, ctrl_cache)
                         ctrl_len = len(red_ids) - 1
-                    with _rollback(ctrl_cache), patching(
+                    with rolled_back(ctrl_cache), patching(
                         layers, sites, targets, spec, names, dtype, should_stop
                     ) as lps:
                         patched = last_logits(model, red_ids[-1:], device, cache=ctrl_cache)

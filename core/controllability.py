@@ -1,6 +1,8 @@
 """The controllability report (PAPER.md section 4's conditions, section 7's bound).
 
-Before a run, `plan` says per patched layer which parameters carry the input and output
+`output_plan` decides, once per layer when a run is planned, which output control absorbs the
+attention shift ``dv`` (an `OutputKind`); the engine's hooks apply that decision and `plan`
+reports it. Before a run, `plan` says per patched layer which parameters carry the input and output
 controls and which conditions the construction needs at every token (``z != 0`` for a rank-1
 input patch, ``h != 0`` for an output matrix, every ``N(h)_j != 0`` for a scale, ``S != 0`` for
 the experts), plus what can be seen in the weights already (a post-norm scale with exact zeros,
@@ -15,11 +17,75 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # `outcome` and `summary_lines` run in the window's thread without torch
+    from ctxpatch.core.adapters.base import LayerSites
     from ctxpatch.core.compare import Settings, StepResult
     from ctxpatch.core.loading import LoadedModel
+
+#: what absorbs the attention shift ``dv`` in one patched layer (`output_plan`)
+OutputKind = Literal[
+    "bias",  # the output matrix's bias adds dv / branch_scale
+    "matrix",  # a rank-1 patch of the output matrix (no post-norm after it)
+    "fit",  # the down matrix under a frozen post-norm scale: Appendix B's fit (PAPER.md sec. 7)
+    "scale",  # the post-norm scale, direct (Table 1)
+    "stable",  # Appendix B: the down matrix's stable target, the scale the remainder
+    "experts",  # the active routed experts' down slices, each adding dv / S
+    "shared",  # the shared experts' output matrices
+    "beside",  # experts beside a dense MLP under one post-norm (Gemma 4): its scale, direct
+    "none",  # the layer offers no such control: nothing absorbs dv
+]
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    """One layer's output control, decided once when a run is planned (`output_plan`).
+
+    Attributes:
+        kind: what absorbs ``dv`` in this layer.
+        frozen: output patches are disabled: nothing absorbs ``dv``; ``kind`` says what would
+            have (the controllability report's conditions and bound).
+    """
+
+    kind: OutputKind
+    frozen: bool = False
+
+    @property
+    def acting(self) -> OutputKind:
+        """The kind the run's hooks apply: ``kind``, or "none" when frozen."""
+        return "none" if self.frozen else self.kind
+
+
+def output_plan(sites: LayerSites, control: str, method: str,
+                disabled: frozenset[str] = frozenset()) -> OutputPlan:
+    """Which output control absorbs ``dv`` in a layer: the one decision the engine's hooks
+    apply (`core.engine.PatchSpec.outputs`) and `plan` reports. Torch-free.
+
+    Args:
+        sites: the layer's handles.
+        control: the run's resolved output control (`core.compare.resolve_control`).
+        method: "direct" or "stable".
+        disabled: patch kinds left out ("output" freezes the control).
+    """
+    frozen = "output" in disabled
+    if sites.router is not None and sites.experts is not None:
+        if sites.out_norm is not None:
+            kind: OutputKind = "beside" if control == "scale" else "none"
+        else:
+            kind = "shared" if sites.shared else "experts"
+    elif sites.out_matrix is None:  # a post-norm scale alone, or nothing
+        kind = "scale" if sites.out_norm is not None and control == "scale" else "none"
+    elif control == "bias":
+        kind = "bias"
+    elif sites.out_norm is None:  # (any control but the bias: "experts" in a dense layer of an
+        kind = "matrix"  #          MoE model; every family offering "scale" has a post-norm)
+    elif control == "scale":
+        kind = "stable" if method == "stable" else "scale"
+    else:  # "matrix" (or "experts") under a post-norm: its scale stays frozen
+        kind = "fit"
+    return OutputPlan(kind, frozen)
+
 
 CONDITIONS = {
     "input": "z != 0 (the input matrices' input at the query)",
@@ -50,81 +116,83 @@ class LayerPlan:
 
 
 def plan(loaded: LoadedModel, settings: Settings) -> list[LayerPlan]:
-    """What the run will patch, per layer, and under which conditions."""
+    """What the run will patch, per layer, and under which conditions: the layers, sites and
+    output plans are the run's own (`core.compare.plan_patching`)."""
     import torch
 
-    from ctxpatch.core.compare import parse_layers, resolve_control
+    from ctxpatch.core.compare import plan_patching
+    from ctxpatch.core.engine_moe import gate_up_name
     from ctxpatch.core.offload import resident
     from ctxpatch.core.patches import reachable_shift_bound
 
-    model, adapter = loaded.model, loaded.adapter
-    control = resolve_control(loaded, settings)
-    layers = adapter.layers(model)
+    model = loaded.model
+    _, sites, spec = plan_patching(loaded, settings)
     names = {id(m): n for n, m in model.named_modules()}
-    frozen = "output" in settings.disabled
+
+    def weight(m: Any) -> str:
+        return f"{names[id(m)]}.weight"
+
+    def scale(norm: Any) -> Any:  # the post-norm scale m, float64
+        return spec.norm_offset + resident(norm, "weight").detach().to(torch.float64)
+
     plans = []
-    for i in parse_layers(settings.layers, len(layers)):
-        s = adapter.sites(layers[i])
-        inputs: list[str] = [f"{names[id(m)]}.weight" for _, m in s.inputs]
+    for i, s in sites.items():
+        out = spec.outputs[i]
+        inputs: list[str] = [weight(m) for _, m in s.inputs]
         outputs: list[str] = []
         conditions = [CONDITIONS["input"]]
         warnings: list[str] = []
         bound = None
-        if s.experts is not None and s.router is not None and s.out_norm is not None:
-            # experts beside a dense MLP under one post-norm (Gemma 4): its scale absorbs dv
+        if s.router is not None and s.experts is not None:
             ex = names[id(s.experts)]
-            inputs += [f"{names[id(s.router)]}.weight", f"{ex}.gate_up_proj[active]"]
-            outputs = [f"{names[id(s.out_norm)]}.weight"]
-            conditions.append(CONDITIONS["scale"])
-        elif s.experts is not None and s.router is not None:
-            ex = names[id(s.experts)]
-            inputs = [f"{names[id(s.router)]}.weight", f"{ex}.gate_up_proj[active]"]
-            outputs = [f"{ex}.down_proj[active]"]
-            conditions.append(CONDITIONS["shared" if s.shared else "experts"])
-            if s.shared:  # always-active experts: their inputs (and gate) too; they absorb dv
-                for shared in s.shared:
-                    inputs += [f"{names[id(m)]}.weight" for _, m in shared.inputs]
-                    if shared.gate is not None:
-                        inputs.append(f"{names[id(shared.gate)]}.weight")
-                outputs = [f"{names[id(shared.down)]}.weight" for shared in s.shared]
-        elif control == "matrix" and s.out_norm is not None and s.out_matrix is not None:
-            outputs = [f"{names[id(s.out_matrix)]}.weight"]
+            inputs += [weight(s.router), f"{ex}.{gate_up_name(s.experts)}[active]"]
+            for shared in s.shared:  # always-active experts: their inputs (and gate) too
+                inputs += [weight(m) for _, m in shared.inputs]
+                if shared.gate is not None:
+                    inputs.append(weight(shared.gate))
+        if out.kind in ("bias", "matrix"):
+            param = "bias" if out.kind == "bias" else "weight"
+            outputs = [f"{names[id(s.out_matrix)]}.{param}"]
+            conditions.append(CONDITIONS[out.kind])
+        elif out.kind == "fit":
+            outputs = [weight(s.out_matrix)]
             conditions.append(CONDITIONS["frozen"])
             warnings.append("the post-norm scale is frozen: the down matrix alone reaches the "
                             "shift only where Appendix B's fit is exact")
-            m = adapter.norm_offset + resident(s.out_norm, "weight").detach().to(torch.float64)
-            bound = reachable_shift_bound(m)
-        elif control == "scale" and s.out_norm is not None:
-            norm = names[id(s.out_norm)]
-            outputs = [f"{norm}.weight"]
+            bound = reachable_shift_bound(scale(s.out_norm))
+        elif out.kind in ("scale", "stable"):
+            outputs = [weight(s.out_matrix)] if out.kind == "stable" else []
+            outputs.append(weight(s.out_norm))
             conditions.append(CONDITIONS["scale"])
-            m = adapter.norm_offset + resident(s.out_norm, "weight").detach().to(torch.float64)
+            m = scale(s.out_norm)
             zeros = int((m == 0).sum())
             if zeros:
                 warnings.append(f"the scale m has {zeros} exact zero(s)"
                                 + (": the stable update aims the down patch away from them"
-                                   if settings.method == "stable" else
+                                   if out.kind == "stable" else
                                    ": the direct update's dm = dv / N(h) is large there "
                                    "(method 'stable' bounds it)"))
-            if settings.method == "stable" and s.out_matrix is not None:
-                outputs.insert(0, f"{names[id(s.out_matrix)]}.weight")
-            if frozen:
+            if out.frozen:
                 bound = reachable_shift_bound(m)
-        elif s.out_matrix is not None:
-            param = "bias" if control == "bias" else "weight"
-            kind = "bias" if control == "bias" else "matrix"
-            outputs = [f"{names[id(s.out_matrix)]}.{param}"]
-            conditions.append(CONDITIONS[kind])
+        elif out.kind == "beside":  # experts beside a dense MLP under one post-norm (Gemma 4)
+            outputs = [weight(s.out_norm)]
+            conditions.append(CONDITIONS["scale"])
+        elif out.kind == "experts":
+            outputs = [f"{names[id(s.experts)]}.down_proj[active]"]
+            conditions.append(CONDITIONS["experts"])
+        elif out.kind == "shared":
+            outputs = [weight(shared.down) for shared in s.shared]
+            conditions.append(CONDITIONS["shared"])
         if s.parallel:
             warnings.append("parallel block: the input patches are ~0 once the layer input "
                             "matches (they absorb upstream mismatch only)")
-        if "input" in settings.disabled:
+        if "input" in spec.disabled:
             inputs = []
-        if frozen:
+        if out.frozen:
             outputs = []
             warnings.append("output control frozen: the attention shift is not absorbed here")
-        plans.append(LayerPlan(i, tuple(inputs), tuple(outputs), control, tuple(conditions),
-                               tuple(warnings), bound, s.mixer))
+        plans.append(LayerPlan(i, tuple(inputs), tuple(outputs), spec.control,
+                               tuple(conditions), tuple(warnings), bound, s.mixer))
     return plans
 
 

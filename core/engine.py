@@ -8,7 +8,9 @@ remove them in ``finally``; the model's code is never replaced.
   output ``h_down,C``, the branch output and the block output ``T_C``.
 - `patching` hooks the reduced forward and builds each layer's patch *inside* that forward, from
   the actual (already patched) reduced activations, so layer ``l`` also absorbs the rounding
-  drift of layers ``< l``. Patches act as rank-1 actions ``W x + u (a . x)``.
+  drift of layers ``< l``. Patches act as rank-1 actions ``W x + u (a . x)``. Which output
+  control absorbs the attention shift in a layer was decided when the run was planned
+  (``PatchSpec.outputs``, `core.controllability.output_plan`); the hooks apply that kind.
 
 Tensors captured at the query position are 1-D: ``(d,)`` model width, ``(f,)`` MLP width.
 Forward activations are ``(batch=1, seq, width)``. The mixture-of-experts hooks live in
@@ -35,7 +37,8 @@ from ctxpatch.core.activations import (
     replace_output,
 )
 from ctxpatch.core.adapters.base import LayerSites
-from ctxpatch.core.engine_moe import MoEHooks, record_moe
+from ctxpatch.core.controllability import OutputPlan
+from ctxpatch.core.engine_moe import MoEPatcher, record_moe, shared_inputs
 from ctxpatch.core.errors import Cancelled
 from ctxpatch.core.offload import plain_call, resident
 from ctxpatch.core.patches import (
@@ -43,10 +46,10 @@ from ctxpatch.core.patches import (
     Patch,
     Rank1,
     either,
+    fit_down_target,
     matrix_output_patch,
     rank1_input_patch,
     rms_normalize,
-    fit_down_target,
     scale_patch,
     stable_down_target,
 )
@@ -89,7 +92,6 @@ class LayerPatch:
     block_error: Any = float("nan")  # max |T - T_C| at the query after patching
 
 
-
 @dataclass(frozen=True)
 class PatchSpec:
     """How to patch (resolved settings, no tensors).
@@ -107,6 +109,9 @@ class PatchSpec:
         batch: rows of the reduced forward; the patched sequence is the last, the ones before
             it (the unpatched control, `core.compare`) are read and changed by no hook. Dense
             layers only (MoE experts see every row's tokens mixed).
+        outputs: each patched layer's `OutputPlan`, by layer index: what absorbs ``dv``
+            there (`core.controllability.output_plan` of the layer's sites, ``control``,
+            ``method`` and ``disabled``, decided once when the run is planned).
     """
 
     method: str = "direct"
@@ -116,6 +121,7 @@ class PatchSpec:
     norm_offset: float = 0.0
     stored_dtype: torch.dtype | None = None
     batch: int = 1
+    outputs: Mapping[int, OutputPlan] = field(default_factory=dict)
 
 
 def compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
@@ -190,7 +196,7 @@ def recording(
 
             for module, kind in s.v_sources:
                 _source_hook(add, module, kind, keep_v)
-            for role, module in s.inputs:
+            for role, module in (*s.inputs, *shared_inputs(s)):
 
                 def keep_in(m: nn.Module, a: Any, out: Any, t: LayerTargets = t,
                             role: str = role) -> None:
@@ -205,7 +211,7 @@ def recording(
             if s.out_matrix is not None:
                 add(s.out_matrix.register_forward_hook(keep_down))
             if s.router is not None and s.experts is not None:
-                record_moe(add, s, t, dtype)  # the router's input, the shared experts
+                record_moe(add, s, t, dtype)  # the router's (and the experts') input
             if s.out_norm is not None:
 
                 def keep_branch(m: nn.Module, a: Any, out: Any, t: LayerTargets = t) -> None:
@@ -227,8 +233,9 @@ def _norm_eps(module: nn.Module) -> float:
     raise NotImplementedError(f"cannot find the epsilon of {type(module).__name__}")
 
 
-class _LayerPatcher(MoEHooks):
-    """The hooks of one patched layer during one reduced forward (state lives here)."""
+class _LayerPatcher:
+    """The hooks of one patched layer during one reduced forward (state lives here); the
+    mixture-of-experts hooks are a `MoEPatcher` it owns."""
 
     def __init__(
         self,
@@ -240,19 +247,24 @@ class _LayerPatcher(MoEHooks):
         dtype: torch.dtype,
     ) -> None:
         self.s, self.t, self.spec, self.names, self.dtype = sites, target, spec, names, dtype
+        self.kind = spec.outputs[index].acting  # what absorbs dv here (the run's plan)
         self.result = LayerPatch(layer=index)
         self.v_parts: list[Tensor] = []
         self.g: Tensor | None = None  # stable: target branch output
-        self.shifted = False  # dv was measured (`_shift`)
+        self.shifted = False  # dv was measured (`shift`)
+        self.moe = None if sites.router is None or sites.experts is None else MoEPatcher(
+            sites, target, spec, self.kind, self.result, self.name, self.rank1, self.shift, dtype)
 
-    def _name(self, module: nn.Module, param: str) -> str:
+    def name(self, module: nn.Module, param: str) -> str:
+        """The patched parameter's qualified name, as in ``model.named_parameters()``."""
         return f"{self.names[id(module)]}.{param}"
 
     def _stored(self, x: Tensor) -> Tensor:
         st = self.spec.stored_dtype
         return x if st is None or st == x.dtype else x.to(st).to(x.dtype)
 
-    def _rank1(self, r: Rank1) -> Rank1:
+    def rank1(self, r: Rank1) -> Rank1:
+        """A rank-1 patch rounded as it is stored, its non-finite entries flagged."""
         out = Rank1(self._stored(r.u), self._stored(r.a), r.void)
         finite = torch.isfinite(out.u).all() & torch.isfinite(out.a).all()
         self.result.nonfinite = either(self.result.nonfinite, ~finite)
@@ -263,8 +275,8 @@ class _LayerPatcher(MoEHooks):
         self.result.nonfinite = either(self.result.nonfinite, ~torch.isfinite(d).all())
         return Delta(d)
 
-    def _shift(self) -> Tensor:
-        """``dv = v_C - v`` at the query."""
+    def shift(self) -> Tensor:
+        """``dv = v_C - v`` at the query (its norm kept in the result)."""
         v = torch.stack(self.v_parts).sum(0)
         dv = self.t.v - v
         self.result.shift_norm = dv.norm()
@@ -276,7 +288,7 @@ class _LayerPatcher(MoEHooks):
 
     def on_input(self, role: str) -> Callable[[nn.Module, Any, Any], Any]:
         """The rank-1 input patch of the matrix whose full-context output is
-        ``t.inputs[role]`` (a shared expert's roles are keyed by `engine_moe._shared_key`)."""
+        ``t.inputs[role]`` (a shared expert's roles are keyed by `engine_moe.shared_inputs`)."""
 
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
             if "input" in self.spec.disabled:
@@ -285,43 +297,39 @@ class _LayerPatcher(MoEHooks):
             q = self.dtype
             r = rank1_input_patch(self.t.inputs[role], query_row(y, q), query_row(x, q))
             self.result.zero_z = either(self.result.zero_z, r.void)  # (then a = 0: no change)
-            r = self._rank1(r)
-            self.result.patches[self._name(module, "weight")] = r
+            r = self.rank1(r)
+            self.result.patches[self.name(module, "weight")] = r
             return replace_output(output, rank1_action(x, y, r, self.spec.last_only,
                                                        self.spec.batch))
 
         return hook
 
     def on_out_matrix(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        if "output" in self.spec.disabled:
-            return None
+        """The output matrix's patch for kinds "bias", "matrix", "fit" and "stable"."""
         x, y = args[0], first_output(output)
         spec = self.spec
-        if spec.control == "bias":
-            d = self._delta(self._shift() / self.s.branch_scale)
-            self.result.patches[self._name(module, "bias")] = d
+        if self.kind == "bias":
+            d = self._delta(self.shift() / self.s.branch_scale)
+            self.result.patches[self.name(module, "bias")] = d
             out = (y.to(d.delta.dtype) + d.delta).to(y.dtype)
             return replace_output(output, keep_patched_rows(y, out, spec.last_only, spec.batch))
-        post_norm = self.s.out_norm is not None
-        if spec.control in ("matrix", "experts") and not post_norm:  # (experts: a dense layer)
-            shift = self._shift() / self.s.branch_scale
-        elif post_norm and (spec.control == "matrix" or spec.method == "stable"):
-            # Appendix B's fit of the down output under the norm; with control "matrix" the
-            # scale stays frozen and the fit's residual is left over (PAPER.md section 7)
+        if self.kind == "matrix":
+            shift = self.shift() / self.s.branch_scale
+        else:
+            # Appendix B's fit of the down output under the norm; with kind "fit" the scale
+            # stays frozen and the fit's residual is left over (PAPER.md section 7)
             assert self.s.out_norm is not None and self.t.down is not None
             m = self._scale()
-            self.g = self._shift() + self.t.branch
+            self.g = self.shift() + self.t.branch
             c_rms = self.t.down.pow(2).mean().sqrt()
-            target = fit_down_target if spec.control == "matrix" else stable_down_target
+            target = fit_down_target if self.kind == "fit" else stable_down_target
             h_target, hard = target(self.g, m, c_rms)
             self.result.hard_case = hard
             shift = h_target - query_row(y, self.dtype)
-        else:
-            return None
         r = matrix_output_patch(shift, query_row(x, self.dtype))
         self.result.zero_h = either(self.result.zero_h, r.void)  # (then a = 0: no change)
-        r = self._rank1(r)
-        self.result.patches[self._name(module, "weight")] = r
+        r = self.rank1(r)
+        self.result.patches[self.name(module, "weight")] = r
         return replace_output(output, rank1_action(x, y, r, spec.last_only, spec.batch))
 
     def _scale(self) -> Tensor:
@@ -330,19 +338,20 @@ class _LayerPatcher(MoEHooks):
         return self.spec.norm_offset + resident(norm, "weight").detach().to(self.dtype)
 
     def on_out_norm(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        if "output" in self.spec.disabled:
-            return None
+        """The post-norm scale's patch for kinds "scale", "beside" (``dv``) and "stable" (the
+        remainder of the down matrix's fit)."""
         h = args[0]
         n = rms_normalize(query_row(h, self.dtype), _norm_eps(module))
-        if self.spec.method == "stable" and self.g is not None:
+        if self.kind == "stable":
+            assert self.g is not None, "the down matrix's hook runs before the post-norm's"
             shift = self.g - self._scale() * n
         else:
-            shift = self._shift()
+            shift = self.shift()
         dm, zeros = scale_patch(shift, n)
         patch = self._delta(dm)
         dm = patch.delta
         self.result.div_by_one = self.result.div_by_one + zeros
-        self.result.patches[self._name(module, "weight")] = patch
+        self.result.patches[self.name(module, "weight")] = patch
         weight = resident(module, "weight").detach().to(self.dtype) + dm
         patched = plain_call(module, {"weight": weight}, h)
         y = first_output(output)
@@ -351,10 +360,28 @@ class _LayerPatcher(MoEHooks):
 
     def on_block(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not self.shifted and self.v_parts:  # output frozen: still measure |dv|
-            self._shift()
+            self.shift()
         if self.t.block is not None:
             t = query_row(first_output(output), self.dtype)
             self.result.block_error = (t - self.t.block).abs().max()
+
+    def register(self, add: Callable[[Any], None]) -> None:
+        """Register this layer's hooks: ``v``'s sources, the input matrices (a shared expert's
+        too), the output control of its kind, the MoE's own, and the block's check."""
+        s = self.s
+        for module, kind in s.v_sources:
+            _source_hook(add, module, kind, self.keep_v)
+        for role, module in (*s.inputs, *shared_inputs(s)):
+            add(module.register_forward_hook(self.on_input(role)))
+        if self.kind in ("bias", "matrix", "fit", "stable"):
+            assert s.out_matrix is not None
+            add(s.out_matrix.register_forward_hook(self.on_out_matrix))
+        if self.moe is not None:
+            self.moe.register(add)  # the router, the routed and the shared experts
+        if self.kind in ("scale", "stable", "beside"):
+            assert s.out_norm is not None
+            add(s.out_norm.register_forward_hook(self.on_out_norm))
+        add(s.layer.register_forward_hook(self.on_block))
 
 
 @contextmanager
@@ -373,7 +400,8 @@ def patching(
         layers: all decoder layers (each checks ``should_stop`` before it runs).
         sites: the patched layers' handles, by layer index.
         targets: what `recording` kept for those layers.
-        spec: method, output control, scope and disabled patch kinds.
+        spec: method, output control, scope, disabled patch kinds, and each layer's
+            `OutputPlan` (``spec.outputs``, one for every layer of ``sites``).
         names: ``id(module) -> qualified name`` for naming patched parameters.
         dtype: compute dtype of the patch vectors.
 
@@ -386,17 +414,5 @@ def patching(
         for i, s in sites.items():
             lp = _LayerPatcher(i, s, targets[i], spec, names, dtype)
             results[i] = lp.result
-            for module, kind in s.v_sources:
-                _source_hook(add, module, kind, lp.keep_v)
-            for role, module in s.inputs:
-                add(module.register_forward_hook(lp.on_input(role)))
-            if s.out_matrix is not None:
-                add(s.out_matrix.register_forward_hook(lp.on_out_matrix))
-            if s.router is not None and s.experts is not None:
-                add(s.router.register_forward_hook(lp.on_router))
-                add(s.experts.register_forward_hook(lp.on_experts))
-                lp.register_moe(add)  # the shared experts
-            if s.out_norm is not None and spec.control == "scale":
-                add(s.out_norm.register_forward_hook(lp.on_out_norm))
-            add(s.layer.register_forward_hook(lp.on_block))
+            lp.register(add)
         yield results

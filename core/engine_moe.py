@@ -1,7 +1,8 @@
 """The mixture-of-experts hooks of one patched layer (PAPER.md section 4, MoE): a rank-1 patch of
 the router so the reduced input routes like the full context, rank-1 patches of every active
-expert's slices, and of the shared experts' matrices. Mixed into the engine's layer patcher,
-whose state (sites, targets, spec, result, dtype) they share.
+expert's slices, and of the shared experts' matrices. A `MoEPatcher` is owned by the engine's
+layer patcher, which gives it the layer's sites, targets, spec and output kind, the
+`LayerPatch` it fills, and the patcher's naming, rounding and ``dv`` helpers.
 
 - The router is a linear map of ``z`` followed by a fixed function (softmax or sigmoid, biases,
   correction biases that only steer the selection, grouped top-k, renormalisation, scaling): the
@@ -14,10 +15,11 @@ whose state (sites, targets, spec, result, dtype) they share.
 - Experts that read their own input ``x`` rather than the router's (Gemma 4:
   ``pre_feedforward_layernorm_2(v)`` while the router reads ``v``; ``experts_own_input``) get
   the same patch built from ``x`` and its recorded full-context value ``x_C``.
-- The output correction goes to the shared experts when the layer has any (`SharedExpert`: each
-  adds ``dv / (n g_C)``), else to a post-norm scale after the experts when the layer has one
-  (``out_norm``, Gemma 4: the engine's scale patch, once the inputs all match), else to the
-  active routed experts' ``down`` slices, each adding ``dv / S`` with ``S`` the sum of their
+- The output correction (the layer's `core.controllability.OutputKind`) goes to the shared
+  experts when the layer has any ("shared", `SharedExpert`: each adds ``dv / (n g_C)``), else
+  to a post-norm scale after the experts when the layer has one ("beside", Gemma 4: the
+  engine's scale patch, once the inputs all match), else ("experts") to the active routed
+  experts' ``down`` slices, each adding ``dv / S`` with ``S`` the sum of their
   output weights (routing weights; 1 each when the routing scales the input), so
   ``sum_e w_e dW_e h_e = dv``.
 - Fused experts are described by transformers' own flags (``use_experts_implementation``:
@@ -32,7 +34,7 @@ whose state (sites, targets, spec, result, dtype) they share.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -49,6 +51,10 @@ from ctxpatch.core.adapters.base import ExpertsView, LayerSites, SharedExpert
 from ctxpatch.core.forward import written_
 from ctxpatch.core.offload import is_offloaded, plain_call, resident
 from ctxpatch.core.patches import Rank1, either, matrix_output_patch, rank1_input_patch
+
+if TYPE_CHECKING:  # (the engine imports this module)
+    from ctxpatch.core.controllability import OutputKind
+    from ctxpatch.core.engine import LayerPatch, LayerTargets, PatchSpec
 
 #: key in ``LayerTargets.inputs`` of the router's full-context input ``z_C`` (not a matrix output)
 ROUTER_Z = "moe.z"
@@ -72,7 +78,8 @@ def _n_experts(module: nn.Module) -> int:
     return int(n) if n is not None else int(resident(module, "down_proj").shape[0])
 
 
-def _gate_up_name(module: nn.Module) -> str:
+def gate_up_name(module: nn.Module) -> str:
+    """The fused experts' stacked input parameter: ``gate_up_proj``, or ``up_proj`` ungated."""
     return "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
 
 
@@ -87,10 +94,10 @@ def _activation(module: nn.Module, pre: Tensor) -> Tensor:
     return apply_gate(pre)
 
 
-def record_moe(add: Callable[[Any], None], s: LayerSites, t: Any, dtype: torch.dtype) -> None:
+def record_moe(add: Callable[[Any], None], s: LayerSites, t: LayerTargets,
+               dtype: torch.dtype) -> None:
     """Register the full-context hooks of an MoE layer beyond `core.engine.recording`'s own: the
-    router's input ``z_C`` (and the experts' own ``x_C`` when they read another), and the outputs
-    of the shared experts' input matrices and gates."""
+    router's input ``z_C`` (and the experts' own ``x_C`` when they read another)."""
     assert s.router is not None and s.experts is not None
     owners = ((ROUTER_Z, s.router), (EXPERTS_Z, s.experts)) if s.experts_own_input else \
         ((ROUTER_Z, s.router),)
@@ -101,42 +108,52 @@ def record_moe(add: Callable[[Any], None], s: LayerSites, t: Any, dtype: torch.d
             t.inputs[key] = query_row(first_input(args, kwargs), dtype)
 
         add(owner.register_forward_pre_hook(keep_z, with_kwargs=True))
+
+
+def shared_inputs(s: LayerSites) -> tuple[tuple[str, nn.Module], ...]:
+    """The shared experts' input matrices and gates, as ``(role, module)`` with roles keyed
+    per expert: the engine records and patches them like the layer's own input matrices."""
+    out: list[tuple[str, nn.Module]] = []
     for k, shared in enumerate(s.shared):
-        for role, module in _shared_inputs(shared):
-
-            def keep(m: nn.Module, a: Any, out: Any, key: str = _shared_key(k, role)) -> None:
-                t.inputs[key] = query_row(first_output(out), dtype)
-
-            add(module.register_forward_hook(keep))
+        gate = (("gate_value", shared.gate),) if shared.gate is not None else ()
+        out += [(_shared_key(k, role), m) for role, m in (*shared.inputs, *gate)]
+    return tuple(out)
 
 
-def _shared_inputs(shared: SharedExpert) -> tuple[tuple[str, nn.Module], ...]:
-    gate = (("gate_value", shared.gate),) if shared.gate is not None else ()
-    return (*shared.inputs, *gate)
+class MoEPatcher:
+    """The router's, the routed experts' and the shared experts' hooks of one patched MoE layer
+    during one reduced forward, for `core.engine._LayerPatcher`.
 
+    Args:
+        sites: the layer's handles (``router`` and ``experts`` set).
+        target: its full-context values (`core.engine.recording`).
+        spec: the run's patch settings.
+        kind: the layer's acting output kind: "experts" and "shared" are absorbed here.
+        result: the layer's `LayerPatch`, filled here too.
+        name: ``(module, param) -> qualified parameter name``.
+        rank1: rounds a rank-1 patch as stored and flags non-finite entries.
+        shift: measures ``dv`` at the query (once the layer's ``v`` is known).
+        dtype: compute dtype of the patch vectors.
+    """
 
-class MoEHooks:
-    """``on_router``, ``on_experts`` and the shared experts' hooks, for
-    `core.engine._LayerPatcher`."""
+    def __init__(self, sites: LayerSites, target: LayerTargets, spec: PatchSpec,
+                 kind: OutputKind, result: LayerPatch,
+                 name: Callable[[nn.Module, str], str], rank1: Callable[[Rank1], Rank1],
+                 shift: Callable[[], Tensor], dtype: torch.dtype) -> None:
+        assert sites.router is not None and sites.experts is not None
+        self.s, self.t, self.spec, self.kind, self.result = sites, target, spec, kind, result
+        self.name, self.rank1, self.shift, self.dtype = name, rank1, shift, dtype
+        self.z: Tensor | None = None  # the router's reduced input at the query (this forward)
 
-    s: LayerSites
-    t: Any
-    spec: Any
-    result: Any
-    dtype: torch.dtype
-    _moe_z: Tensor | None = None  # the router's reduced input at the query (this forward)
-
-    def _rank1(self, r: Rank1) -> Rank1:  # provided by the patcher
-        raise NotImplementedError
-
-    def on_input(self, role: str) -> Callable[[nn.Module, Any, Any], Any]:  # by the patcher
-        raise NotImplementedError
-
-    def _name(self, module: nn.Module, param: str) -> str:  # provided by the patcher
-        raise NotImplementedError
-
-    def _shift(self) -> Tensor:  # provided by the patcher
-        raise NotImplementedError
+    def register(self, add: Callable[[Any], None]) -> None:
+        """Register the router's and the routed experts' hooks, and the shared experts' output
+        hooks when they absorb ``dv`` (the engine registers their input matrices')."""
+        assert self.s.router is not None and self.s.experts is not None
+        add(self.s.router.register_forward_hook(self.on_router))
+        add(self.s.experts.register_forward_hook(self.on_experts))
+        if self.kind == "shared":
+            for k, shared in enumerate(self.s.shared):
+                add(shared.down.register_forward_hook(self._on_shared_down(k, shared)))
 
     # -- router -----------------------------------------------------------------------------
 
@@ -146,15 +163,15 @@ class MoEHooks:
         its bias and its fixed function untouched)."""
         x = args[0]
         q = self.dtype
-        z = self._moe_z = query_row(x, q)
+        z = self.z = query_row(x, q)
         if "input" in self.spec.disabled:
             return None
         w = resident(module, "weight").detach()
         wq = w.to(q)
         r = rank1_input_patch(wq @ self.t.inputs[ROUTER_Z], wq @ z, z)
         self.result.zero_z = either(self.result.zero_z, r.void)  # (then a = 0: no change)
-        r = self._rank1(r)
-        self.result.patches[self._name(module, "weight")] = r
+        r = self.rank1(r)
+        self.result.patches[self.name(module, "weight")] = r
         weight = (w.to(r.u.dtype) + torch.outer(r.u, r.a)).to(w.dtype)
         patched = plain_call(module, {"weight": weight}, x)
         return last_rows(output, patched, self.spec.last_only)
@@ -163,9 +180,9 @@ class MoEHooks:
 
     def on_experts(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         """Patch every active expert at the query: its ``gate_up`` slice so the reduced input gives
-        the full-context pre-activation, and (when no shared expert or post-norm scale absorbs
-        ``dv``) its ``down`` slice to add ``dv / S``. The slices are written in place for one
-        recomputation of the experts by their own forward and restored at once."""
+        the full-context pre-activation, and (kind "experts": no shared expert or post-norm
+        scale absorbs ``dv``) its ``down`` slice to add ``dv / S``. The slices are written in
+        place for one recomputation of the experts by their own forward and restored at once."""
         view = experts_view(self.s, module)
         x = args[0]
         one = torch.ones((), dtype=self.dtype)
@@ -187,17 +204,17 @@ class MoEHooks:
             assert view.rows == "tokens", "experts_own_input needs one input row per token"
             z, z_c = query_row(x, self.dtype), self.t.inputs.get(EXPERTS_Z)
         else:
-            z, z_c = self._moe_z, self.t.inputs.get(ROUTER_Z)
+            z, z_c = self.z, self.t.inputs.get(ROUTER_Z)
         if z is None:  # no router hook ran before (it always does in these families)
             z = query_row(x, self.dtype)
         dv = None
-        if "output" not in self.spec.disabled and not self.s.shared and self.s.out_norm is None:
+        if self.kind == "experts":
             s_sum = torch.stack(list(out_w.values())).sum() if active else 0 * one
             if float(s_sum) == 0.0:
                 self.result.zero_s = True
             else:
-                dv = self._shift() / (s_sum * self.s.branch_scale)
-        gu_name = _gate_up_name(module)
+                dv = self.shift() / (s_sum * self.s.branch_scale)
+        gu_name = gate_up_name(module)
         gate_up_all = resident(module, gu_name).detach()
         bias_all = resident(module, f"{gu_name}_bias").detach() \
             if getattr(module, "has_bias", False) else None
@@ -259,35 +276,25 @@ class MoEHooks:
         ``a = 0``); return it rounded as kept, in (out, in) orientation."""
         if r.void is not None:
             setattr(self.result, zero_flag, either(getattr(self.result, zero_flag), r.void))
-        r = self._rank1(r)
+        r = self.rank1(r)
         stored = Rank1(r.a, r.u) if view.transposed else r  # u along the stored shape[0]
-        self.result.patches[f"{self._name(module, param)}[{e}]"] = stored
+        self.result.patches[f"{self.name(module, param)}[{e}]"] = stored
         pairs.append((param, e, torch.outer(stored.u, stored.a)))
         return r
 
     # -- shared experts ---------------------------------------------------------------------
 
-    def register_moe(self, add: Callable[[Any], None]) -> None:
-        """Register the reduced-run hooks of the shared experts (`core.engine.patching`
-        registers the router's and the routed experts')."""
-        for k, shared in enumerate(self.s.shared):
-            for role, module in _shared_inputs(shared):
-                add(module.register_forward_hook(self.on_input(_shared_key(k, role))))
-            add(shared.down.register_forward_hook(self._on_shared_down(k, shared)))
-
     def _on_shared_down(self, k: int, shared: SharedExpert) -> Callable[[nn.Module, Any, Any], Any]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-            if "output" in self.spec.disabled:
-                return None
             x, y = args[0], first_output(output)
             g = torch.ones((), dtype=self.dtype)
             if shared.gate is not None:  # the gate's full-context value (its patch gives it)
                 g = shared.gate_fn(self.t.inputs[_shared_key(k, "gate_value")]).reshape(())
-            shift = self._shift() / (len(self.s.shared) * g * self.s.branch_scale)
+            shift = self.shift() / (len(self.s.shared) * g * self.s.branch_scale)
             r = matrix_output_patch(shift, query_row(x, self.dtype))
             self.result.zero_h = either(self.result.zero_h, r.void)  # (then a = 0: no change)
-            r = self._rank1(r)
-            self.result.patches[self._name(module, "weight")] = r
+            r = self.rank1(r)
+            self.result.patches[self.name(module, "weight")] = r
             return replace_output(output, rank1_action(x, y, r, self.spec.last_only))
 
         return hook
