@@ -43,9 +43,9 @@ class Rank1:
     #: then ``a = 0`` and the patch acts as nothing. A tensor, so deciding needs no host sync.
     void: Tensor | None = None
 
-    def frobenius(self) -> float:
-        """``|outer(u, a)|_F = |u| |a|``."""
-        return float(self.u.norm() * self.a.norm())
+    def frobenius(self) -> Tensor:
+        """``|outer(u, a)|_F = |u| |a|``, a 0-d tensor (no host sync)."""
+        return self.u.norm() * self.a.norm()
 
 
 @dataclass(frozen=True)

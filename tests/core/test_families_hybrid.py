@@ -23,10 +23,10 @@ import torch
 from tiny import tiny_loaded
 from tiny_hybrid import ALL_LAYERS_ONLY, FAMILIES
 
-from ctxpatch.core.compare import Settings, _rollback, iter_token_patches
+from ctxpatch.core.compare import Settings, iter_token_patches
 from ctxpatch.core.errors import UserError
 from ctxpatch.core.export import save_patches
-from ctxpatch.core.forward import extend_cache, last_logits
+from ctxpatch.core.forward import extend_cache, last_logits, rolled_back
 from ctxpatch.core.prompt import build_prompt
 from ctxpatch.core.results import conditioning
 from ctxpatch.core.verify import read_patches, verify_patches
@@ -96,7 +96,7 @@ def test_a_rolled_back_hybrid_cache_goes_on_like_a_fresh_one(name: str) -> None:
         cache = DynamicCache(config=model.config)
         extend_cache(model, prefix, device, cache)
         assert any(getattr(layer, "recurrent_states", None) for layer in cache.layers)
-        with _rollback(cache):
+        with rolled_back(cache):
             last_logits(model, [probe], device, cache=cache)
         rolled = last_logits(model, [nxt], device, cache=cache)
         fresh = last_logits(model, [*prefix, nxt], device)

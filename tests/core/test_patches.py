@@ -49,7 +49,7 @@ def test_rank1_input_patch_maps_z_to_full_context_output() -> None:
     torch.testing.assert_close(patched @ z, w @ z_c, rtol=1e-12, atol=1e-12)
     # the paper's closed form W (z_C - z) z^T / |z|^2
     torch.testing.assert_close(torch.outer(r.u, r.a), w @ torch.outer(z_c - z, z) / z.dot(z))
-    assert math.isclose(r.frobenius(), float(torch.outer(r.u, r.a).norm()), rel_tol=1e-12)
+    assert math.isclose(float(r.frobenius()), float(torch.outer(r.u, r.a).norm()), rel_tol=1e-12)
 
 
 def test_a_zero_input_gives_a_void_patch_that_acts_as_nothing() -> None:
