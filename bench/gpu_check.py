@@ -1,5 +1,7 @@
 """The device check, prepared for a session lent a GPU: one short script, bfloat16 and float32,
-20 and 200 new tokens, plain generate vs the comparison (with and without the control).
+20 and 200 new tokens, plain generate vs the comparison (without the control, and with it as
+a batch row of the patched pass or as a pass of its own: what `--control-row auto` assumes for
+GPUs, batched, is checked here).
 
     PYTHONPATH=. python3 bench/gpu_check.py [--out DIR] [--tokens 20,200] [--repeats 3]
 
@@ -61,17 +63,20 @@ def main() -> None:
         loaded = LoadedModel(model, _Ids(), adapter_for_config(config), "gemma3-270m-random",
                              "config", DTYPES[dtype], device)
         for tokens in (int(t) for t in args.tokens.split(",")):
-            for control in (True, False):
-                settings = Settings(max_new_tokens=tokens, absorb="all", control=control)
+            for control, row_kind in ((False, "auto"), (True, "batched"), (True, "separate")):
+                settings = Settings(max_new_tokens=tokens, absorb="all", control=control,
+                                    control_row=row_kind)
                 t0 = time.perf_counter()
                 r = measure_time(loaded, prompt, settings, args.repeats, lambda *a: None)
                 row = {"dtype": dtype, "tokens": tokens, "control": control,
+                       "control_row": row_kind if control else None,
                        "generate_s": r["generate_s"], "compare_s": r["compare_s"],
                        "time_ratio": r["time_ratio"], "wall_s": time.perf_counter() - t0}
                 if device.type == "cuda":
                     row["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
                 rows.append(row)
-                print(f"{dtype:9} {tokens:4} tokens control={control!s:5}  generate "
+                print(f"{dtype:9} {tokens:4} tokens control="
+                      f"{row_kind if control else 'none':8}  generate "
                       f"{r['generate_s']:.2f} s  compare {r['compare_s']:.2f} s  ratio "
                       f"{r['time_ratio']:.2f}", flush=True)
         del model, loaded
