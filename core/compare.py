@@ -240,11 +240,16 @@ class _Norms:
         base, _, index = name.partition("[")
         owner, _, leaf = base.rpartition(".")
         p = resident(self.modules[owner], leaf).detach()
-        p = (p[int(index.rstrip("]"))] if index else p).double()
-        if name in self.scale_names:
-            p = p + self.offset  # relative to the effective scale m = offset + weight
-        top = p.abs().max() if p.numel() else p.new_zeros(())
-        return torch.stack([p.norm(), top])
+        p = p[int(index.rstrip("]"))] if index else p
+        if name in self.scale_names:  # (a vector)
+            p = p.double() + self.offset  # relative to the effective scale m = offset + weight
+        if not p.numel():
+            return p.new_zeros(2, dtype=torch.float64)
+        # no float64 copy of a matrix (a 7B model's MLP matrix would take 4x its memory): the
+        # norm accumulates in float64, the largest entry is exact in the parameter's dtype
+        low, high = torch.aminmax(p)
+        top = torch.maximum(low.abs(), high.abs()).double()
+        return torch.stack([torch.linalg.vector_norm(p, dtype=torch.float64), top])
 
     def prefetch(self, names: Any) -> None:
         """Measure every parameter of ``names`` not measured yet, in one transfer."""
