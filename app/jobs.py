@@ -83,7 +83,13 @@ def run_job(model: ModelReady, context: str, query: str, chat_template: bool,
     def job(should_stop: StopFn, progress: ProgressFn) -> Iterator[Any]:
         from dataclasses import replace
 
-        from ctxpatch.core.compare import Settings, iter_token_patches, parse_layers, resolve_control
+        from ctxpatch.core.compare import (
+            Settings,
+            iter_token_patches,
+            parse_layers,
+            resolve_control,
+            resolve_control_row,
+        )
         from ctxpatch.core.controllability import plan
         from ctxpatch.core.images import read_image
         from ctxpatch.core.prompt import build_prompt, check_prompt
@@ -95,6 +101,7 @@ def run_job(model: ModelReady, context: str, query: str, chat_template: bool,
         prompt = build_prompt(loaded.tokenizer, context, query, chat_template, image=picture,
                               processor=loaded.processor)
         check_prompt(prompt, s.absorb)
+        s = resolve_control_row(loaded, s)  # (the record says which ran)
         n = int(model.info["num_layers"])
         yield RunStarted(
             settings={**s.to_dict(), "context": context, "query": query,

@@ -35,7 +35,16 @@ from ctxpatch.core.loading import LoadedModel
 from ctxpatch.core.offload import resident
 from ctxpatch.core.patches import Delta, Rank1
 from ctxpatch.core.prompt import ABSORB_MODES, Prompt, check_prompt, reduced_sequence
-from ctxpatch.core.results import ENTRY_BOUND, NO_CONTROL, Side, StepResult, TopK, summarize
+from ctxpatch.core.results import (
+    ENTRY_BOUND,
+    LAYER_MEASURES,
+    NO_CONTROL,
+    LayerInfo,
+    Side,
+    StepResult,
+    TopK,
+    summarize,
+)
 from ctxpatch.core.options import (
     CONTROL_ROWS,
     METHODS,
@@ -304,13 +313,8 @@ def _patch_norms(host: _Host, keys: dict[str, dict[str, Any]], norms: _Norms
     return out
 
 
-#: `LayerPatch` fields shown per layer, with their Python types
-_LAYER_FIELDS = {"shift_norm": float, "block_error": float, "div_by_one": int, "hard_case": bool,
-                 "zero_z": bool, "zero_h": bool, "zero_s": bool, "nonfinite": bool}
-
-
 def _queue_layer(host: _Host, lp: LayerPatch) -> dict[str, Any]:
-    return {f: host.add(getattr(lp, f)) for f in _LAYER_FIELDS}
+    return {f: host.add(getattr(lp, f)) for f in LAYER_MEASURES}
 
 
 def _patch_arrays(lps: dict[int, LayerPatch], transposed: bool) -> dict[str, np.ndarray]:
@@ -405,6 +409,16 @@ def batched_control(loaded: LoadedModel, settings: Settings, sites: dict[int, An
     if settings.control_row == "batched":
         return True
     return loaded.device.type != "cpu" or loaded.dtype in (torch.bfloat16, torch.float16)
+
+
+def resolve_control_row(loaded: LoadedModel, settings: Settings) -> Settings:
+    """``settings`` with ``control_row`` saying what the run does, "batched" or "separate"
+    (`batched_control`), as records keep their options resolved; unchanged without a control."""
+    if not settings.control:
+        return settings
+    _, sites, _ = plan_patching(loaded, settings)
+    row = "batched" if batched_control(loaded, settings, sites) else "separate"
+    return settings if row == settings.control_row else replace(settings, control_row=row)
 
 
 def plan_patching(loaded: LoadedModel, settings: Settings
@@ -606,13 +620,13 @@ def _check_finite(step: int, host: _Host, keys: dict[str, Any], dtype: torch.dty
 
 
 def _layer_info(host: _Host, keys: dict[str, Any], norms: dict[str, dict[str, float]]
-                ) -> dict[str, Any]:
+                ) -> LayerInfo:
     ratio = max((v["entry_ratio"] for v in norms.values()), default=0.0)
     info: dict[str, Any] = {"entry_ratio": ratio, "unbounded": ratio > ENTRY_BOUND}
-    for f, kind in _LAYER_FIELDS.items():
+    for f, kind in LAYER_MEASURES.items():
         value = host.get(keys[f])
         info[f] = kind(value) if not (kind is float and value is None) else math.nan
-    return info
+    return LayerInfo(**info)
 
 
 __all__ = [

@@ -8,7 +8,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict, get_type_hints
 
 import numpy as np
 
@@ -16,6 +16,27 @@ import numpy as np
 #: patches is reported as unbounded (ill-conditioned): it reproduces the run through rank-1
 #: actions, but written into weights of the run's own precision it amplifies their rounding
 ENTRY_BOUND = 100.0
+
+
+class LayerInfo(TypedDict):
+    """One patched layer at one step (`StepResult.layer_info`; the run JSON's ``layers``)."""
+
+    entry_ratio: float  # largest patch entry over the largest entry of the weight it patches
+    unbounded: bool  # entry_ratio > ENTRY_BOUND
+    shift_norm: float  # |dv|, the attention's shift at the query
+    block_error: float  # max |T - T_C| at the query after patching (NaN: not measured)
+    div_by_one: int  # scale-patch coordinates with N(h)_j = 0, divided by one
+    hard_case: bool  # the stable update's secular equation had no interior root
+    zero_z: bool  # an input matrix saw z = 0: no input patch
+    zero_h: bool  # the output matrix saw h = 0: no output patch
+    zero_s: bool  # MoE: the active routing weights summed to 0
+    nonfinite: bool  # a patch vector came out NaN or infinite
+
+
+#: the `LayerInfo` fields the engine measures per layer (`core.engine.LayerPatch`), with their
+#: types; the other two come from the patch norms
+LAYER_MEASURES: dict[str, type] = {name: kind for name, kind in get_type_hints(LayerInfo).items()
+                                   if name not in ("entry_ratio", "unbounded")}
 
 
 @dataclass(frozen=True)
@@ -71,7 +92,7 @@ class StepResult:
     reduced_input_ids: tuple[int, ...]
     reduced_position_ids: tuple[int, ...] | None
     patch_norms: dict[int, dict[str, dict[str, float]]]  # layer -> param -> norm name -> value
-    layer_info: dict[int, dict[str, Any]]  # layer -> shift_norm, block_error, flags
+    layer_info: dict[int, LayerInfo]  # layer -> |dv|, block error, flags
     seconds: dict[str, float]  # baseline, patched, control
     patches: dict[str, np.ndarray] | None = field(default=None, repr=False)  # "{param}.u" etc.
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ctxpatch.core.compare import Settings, StepResult, iter_token_patches
+from ctxpatch.core.compare import Settings, StepResult, iter_token_patches, resolve_control_row
 from ctxpatch.core.controllability import LayerPlan, plan, record_section
 from ctxpatch.core.errors import UserError
 from ctxpatch.core.export import run_record
@@ -52,6 +52,7 @@ def run_comparison(loaded: LoadedModel, prompt: Prompt, settings: Settings,
                    plans: list[LayerPlan] | None = None) -> Comparison:
     """Plan (unless ``plans`` is given), run every step (``on_step`` after each; ``should_stop``
     between layers and tokens) and build the record."""
+    settings = resolve_control_row(loaded, settings)
     plans = plan(loaded, settings) if plans is None else plans
     steps: list[StepResult] = []
     start = time.perf_counter()

@@ -95,3 +95,19 @@ def test_the_rule_batches_where_it_can_and_pays() -> None:
     assert not _plan("gemma3_text", "cuda", torch.bfloat16, absorb="context")
     assert not _plan("mixtral", "cuda", torch.bfloat16, control_row="batched")  # MoE layers
     assert not _plan("gemma3n_text", "cuda", torch.bfloat16, control_row="batched")  # AltUp
+
+
+@pytest.mark.parametrize("given,absorb,expected", [("auto", "all", "separate"),
+                                                   ("batched", "all", "batched"),
+                                                   ("batched", "context", "separate")])
+def test_the_record_says_which_control_row_ran(given: str, absorb: str, expected: str) -> None:
+    """Records keep their options resolved (DESIGN.md "Run JSON"): "auto" becomes what ran (a
+    float64 model on the CPU: separate), and "batched" where it cannot be (absorb context)
+    says separate."""
+    from ctxpatch.core.runs import run_comparison
+
+    loaded = _loaded("llama")
+    prompt = build_prompt(loaded.tokenizer, "Some context." if absorb == "context" else "", QUERY)
+    run = run_comparison(loaded, prompt, Settings(max_new_tokens=1, absorb=absorb,
+                                                  control_row=given))
+    assert run.record["settings"]["control_row"] == expected
