@@ -182,3 +182,16 @@ def test_unsupported_image_text_family_names_the_supported_ones(
     assert all(name in err[0] for name in ("Qwen2-VL", "Mistral 3", "PaliGemma", "Idefics2"))
 
 
+
+
+def test_the_control_as_a_batch_row_equals_its_own_pass(loaded, picture) -> None:  # type: ignore[no-untyped-def]
+    """Issue 22: the unpatched control batched beside the patched row (what `--control-row auto`
+    does on GPUs) gives what a pass of its own gives, for the text-only rows of each image+text
+    family (M-RoPE positions included), and the patched row stays exact."""
+    _, _, batched = _steps(loaded, picture, absorb="all", control_row="batched")
+    _, _, separate = _steps(loaded, picture, absorb="all", control_row="separate")
+    for b, s in zip(batched, separate, strict=True):
+        assert b.baseline_token == s.baseline_token
+        assert b.patched.linf <= EXACT * s.logit_scale
+        assert abs(b.control.linf - s.control.linf) <= 1e-9 * s.logit_scale
+        assert b.control.top_k.ids == s.control.top_k.ids
