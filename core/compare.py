@@ -254,11 +254,13 @@ class _Norms:
             p = p.double() + self.offset  # relative to the effective scale m = offset + weight
         if not p.numel():
             return p.new_zeros(2, dtype=torch.float64)
-        # no float64 copy of a matrix (a 7B model's MLP matrix would take 4x its memory): the
-        # norm accumulates in float64, the largest entry is exact in the parameter's dtype
-        low, high = torch.aminmax(p)
-        top = torch.maximum(low.abs(), high.abs()).double()
-        return torch.stack([torch.linalg.vector_norm(p, dtype=torch.float64), top])
+        # no float64 copy of a whole matrix (a 7B model's MLP matrix would take 4x its memory;
+        # torch's float64 norm of a float32 tensor copies it): squares summed in float64 over
+        # chunks of 2^20 entries; the largest entry is exact in the parameter's own dtype
+        flat = p.reshape(-1)
+        squares = torch.stack([c.double().pow(2).sum() for c in flat.split(1 << 20)]).sum()
+        low, high = torch.aminmax(flat)
+        return torch.stack([squares.sqrt(), torch.maximum(low.abs(), high.abs()).double()])
 
     def prefetch(self, names: Any) -> None:
         """Measure every parameter of ``names`` not measured yet, in one transfer."""
@@ -414,6 +416,7 @@ def batched_control(loaded: LoadedModel, settings: Settings, sites: dict[int, An
 def resolve_control_row(loaded: LoadedModel, settings: Settings) -> Settings:
     """``settings`` with ``control_row`` saying what the run does, "batched" or "separate"
     (`batched_control`), as records keep their options resolved; unchanged without a control."""
+    settings.validate()
     if not settings.control:
         return settings
     _, sites, _ = plan_patching(loaded, settings)

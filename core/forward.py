@@ -70,6 +70,8 @@ def last_logits(model: Any, ids: Sequence[int], device: torch.device, cache: Any
     ``pixels``, a run reads text only; families whose model keeps the image's position offset
     between calls (Qwen2-VL's M-RoPE) then get the language model's plain positions explicitly.
     """
+    if rows > 1 and (cache is not None or pixels is not None):
+        raise ValueError("identical batch rows run without a cache and without an image")
     kwargs: dict[str, Any] = {"logits_to_keep": 1}
     past = 0
     if cache is not None:

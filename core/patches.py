@@ -129,21 +129,21 @@ class RmsFit:
     hard_case: Tensor  # () bool: no interior root, the fallback of PAPER.md section 5 was used
 
 
-def solve_rms_fit(g: Tensor, m: Tensor, iters: int = 10) -> RmsFit:
+def _secular(gm2: Tensor, m2: Tensor, mu: Tensor) -> Tensor:
+    """``F(mu) = mean((g m)^2 / (m^2 - mu)^2)``; ``mu`` may be a batch of candidates (k, 1)."""
+    d = m2 - mu
+    return (gm2 / (d * d)).mean(-1)
+
+
+def solve_rms_fit(g: Tensor, m: Tensor, rounds: int = 12) -> RmsFit:
     """Fit ``m * y`` to ``g`` with ``y`` on the RMS sphere ``mean(y^2) = 1``.
 
     Stationarity gives ``y_k = g_k m_k / (m_k^2 - mu)`` with ``mu`` the root below ``min m^2`` of
-    the secular equation ``F(mu) = 1``, ``F(mu) = mean((g m)^2 / (m^2 - mu)^2)``; on
-    ``(-inf, min m^2)`` F rises monotonically from 0, so that root is unique and gives the global
-    minimiser (as in trust-region theory). Found in float64 by Newton's method on
-    ``phi(mu) = F(mu)^(-1/2) - 1`` (Reinsch; More and Sorensen): phi is concave and decreasing, so
-    Newton started right of the root moves left and never passes it, and near the root it
-    converges quadratically. The start is ``min m^2`` (right of the root: F is infinite there,
-    or above 1 outside the hard case) moved left by the tangent at that pole,
-    ``sqrt(C / n)`` with ``C`` the sum of ``(g m)^2`` over the minimising coordinates. A fixed
-    number of steps and no host round trip; 10 steps reach float64 resolution on every case of
-    tests/core/test_patches.py's sweep (the bracketed 64-point search it replaced took 12 rounds
-    of 63 evaluations).
+    the secular equation ``F(mu) = 1``; on ``(-inf, min m^2)`` F rises monotonically from 0, so
+    that root is unique and gives the global minimiser (as in trust-region theory). Found in
+    float64 on a bracket where ``F(lo) < 1`` (``F(mu) <= max(gm^2) / (min m^2 - mu)^2``, so
+    ``lo = min m^2 - max|g m| - 1`` works), shrunk 64-fold per round: 12 rounds reach 2^-72
+    of the bracket, below float64 resolution.
 
     Hard case: when every coordinate attaining ``min m^2`` has ``g_k m_k = 0``, F may stay below 1
     up to ``min m^2``. Then ``mu = min m^2``, the other coordinates take the regular formula and the
@@ -152,7 +152,6 @@ def solve_rms_fit(g: Tensor, m: Tensor, iters: int = 10) -> RmsFit:
     Args:
         g: (d,) the target branch output.
         m: (d,) the post-norm scale.
-        iters: Newton steps.
 
     Returns:
         An `RmsFit` in float64.
@@ -175,15 +174,17 @@ def solve_rms_fit(g: Tensor, m: Tensor, iters: int = 10) -> RmsFit:
     first = torch.zeros_like(at_min).scatter(0, at_min.to(torch.uint8).argmax().reshape(1),
                                              True)  # one minimising coordinate takes the rest
     y_hard = torch.where(first, rest.sqrt(), y_hard)
-    # Coordinates with g m = 0 add nothing to F: moved up by one so that no step divides 0 by 0
-    m2_live = torch.where(gm2 > 0, m2, m2 + 1)
-    mu = m2_min - torch.where(at_min, gm2, torch.zeros_like(gm2)).sum().div(n).sqrt()
-    for _ in range(iters):
-        d = m2_live - mu
-        q = gm2 / (d * d)
-        f = q.mean()  # F(mu)
-        # Newton on phi: mu - phi / phi' with phi' = -F^(-3/2) mean(q / d)
-        mu = mu + f * (1 - f.sqrt()) / (q / d).mean()
+    lo = m2_min - gm.abs().max() - 1.0
+    hi = m2_min.clone()
+    # Bracketed search with no host round trip: each round evaluates F at 63 interior points
+    # and keeps the sub-interval where F crosses 1 (F is increasing), shrinking it 64-fold.
+    frac = torch.arange(1, 64, dtype=torch.float64, device=g.device) / 64.0
+    for _ in range(rounds):
+        pts = lo + (hi - lo) * frac  # (63,)
+        k = (_secular(gm2, m2, pts[:, None]) < 1).sum()
+        grid = torch.cat([lo.reshape(1), pts, hi.reshape(1)])
+        lo, hi = grid[k], grid[k + 1]
+    mu = lo  # F(lo) <= 1 side: keeps the denominator away from zero
     denominator = m2 - mu
     y = gm / torch.where(denominator == 0, torch.ones_like(denominator), denominator)
     return RmsFit(y=torch.where(hard, y_hard, y), mu=torch.where(hard, m2_min, mu),

@@ -279,6 +279,9 @@ def verify_patches(
             image_token in meta["full_input_ids"] for meta in pf.steps):
         raise UserError("these patches were made with an image in the context: pass --image FILE")
     check_against(model, pf)
+    # scope query with absorb context: the run extended a cache of the reduced prefix and patched
+    # the last token alone; with absorb all it ran the (one or two token) reduced sequence in one
+    # pass, patched at its last position, which written-in weights can only do split this way too
     query_scope = pf.metadata.get("scope") == "query"
     checks: list[StepCheck] = []
     full_run, prefix = _Fed(model, device), _Fed(model, device)

@@ -129,10 +129,13 @@ def _sphere_error(g: torch.Tensor, m: torch.Tensor, mu: float) -> float:
     return abs(float(y.pow(2).mean()) - 1)
 
 
-def test_rms_fit_newton_matches_bisection_on_a_sweep() -> None:
-    """The fixed-step Newton solve lands on the sphere as well as 200 bisection steps do, over
-    widths 4 to 640, scales 1e-3 to 1e2 of m and 1e-4 to 1e4 of g, zeros in m, all-positive m,
-    and near-hard cases (the minimising coordinate's g almost zero)."""
+def test_rms_fit_matches_bisection_on_a_sweep() -> None:
+    """The secular solve lands on the sphere (within 1e-7, or as well as 200 bisection steps) over widths 4 to
+    640, scales 1e-3 to 1e2 of m and 1e-4 to 1e4 of g, zeros in m, all-positive m, and near-hard
+    cases: the minimising coordinate's g almost zero, with the other coordinates' F at the pole
+    1 - delta (delta 1e-10 to 1e-1), or g there a few ulps, where only a finite fit below the
+    pole is asked (a Newton solve tried in session 6 returned NaN there: its start rounded onto
+    the pole; and stalled 1e-4 off the sphere in the first kind)."""
     gen = torch.Generator().manual_seed(11)
     checked = 0
     for trial in range(400):
@@ -143,15 +146,28 @@ def test_rms_fit_newton_matches_bisection_on_a_sweep() -> None:
         if trial % 5 == 0:
             m = m.abs() + 1e-3
         g = torch.randn(n, generator=gen) * 10 ** float(torch.empty(1).uniform_(-4, 4, generator=gen))
+        k = int((m * m).argmin())
         if trial % 7 == 0:
-            g[(m * m).argmin()] *= 1e-6
+            g[k] *= 1e-6
+        if trial % 4 == 1:  # F at the pole from the other coordinates: 1 - delta
+            others = (m * m) != (m * m)[k]
+            gap = m * m - (m * m)[k]
+            edge = float(((g * m)[others] / gap[others]).pow(2).sum()) / n
+            if edge > 0:
+                delta = 10 ** float(torch.empty(1).uniform_(-10, -1, generator=gen))
+                g = torch.where(others, g * math.sqrt((1 - delta) / edge), g)
+                g[k] *= 10 ** float(torch.empty(1).uniform_(-8, 0, generator=gen))
+        ulps = trial % 11 == 0 and bool(m[k] != 0)
+        if ulps:  # (the root is then within float64's resolution of the pole: finite is all)
+            g[k] = 2e-16
         fit = solve_rms_fit(g, m)
         if fit.hard_case:
             continue
         checked += 1
         reference = _sphere_error(g, m, _bisection_root(g, m))
+        assert torch.isfinite(fit.y).all(), trial
         assert float(fit.mu) < float((m * m).min())
-        assert _sphere_error(g, m, float(fit.mu)) <= max(1e-12, 10 * reference), trial
+        assert ulps or _sphere_error(g, m, float(fit.mu)) <= max(1e-7, 10 * reference), trial
     assert checked > 300
 
 
