@@ -30,7 +30,7 @@ from ctxpatch.core.engine import (
     recording,
 )
 from ctxpatch.core.errors import Cancelled, UserError
-from ctxpatch.core.forward import extend_cache, last_logits, rolled_back
+from ctxpatch.core.forward import extend_cache, last_logits, logit_gaps, rolled_back
 from ctxpatch.core.loading import LoadedModel
 from ctxpatch.core.offload import resident
 from ctxpatch.core.patches import Delta, Rank1
@@ -224,10 +224,9 @@ def _top_k(tokenizer: Any, host: _Host, keys: tuple[Any, Any]) -> TopK:
 def _queue_side(host: _Host, logits: torch.Tensor, base: torch.Tensor, base_probs: torch.Tensor,
                 k: int) -> dict[str, Any]:
     probs = torch.softmax(logits, -1)  # once per side per step
-    return {"token": host.add(logits.argmax()), "base": host.add(base.argmax()),
-            "linf": host.add((logits - base).abs().max()),
-            "tvd": host.add(0.5 * (probs - base_probs).abs().sum()),
-            "top": _queue_top_k(host, probs, k)}
+    token, base_token, linf, tvd = logit_gaps(logits, base, base_probs, probs)
+    return {"token": host.add(token), "base": host.add(base_token), "linf": host.add(linf),
+            "tvd": host.add(tvd), "top": _queue_top_k(host, probs, k)}
 
 
 def _side(tokenizer: Any, host: _Host, keys: dict[str, Any]) -> Side:

@@ -101,14 +101,20 @@ def extend_cache(model: Any, ids: Sequence[int], device: torch.device, cache: An
     decoder(input_ids=torch.tensor([list(ids)], device=device), cache=cache, use_cache=True)
 
 
-def logit_distance(logits: Tensor, base: Tensor, base_probs: Tensor | None = None,
-                   probs: Tensor | None = None) -> tuple[bool, float, float]:
-    """(argmax match, max |logits - base|, TVD = half the L1 distance of the softmaxes); pass
-    softmaxes already computed so that each side's is computed once."""
+def logit_gaps(logits: Tensor, base: Tensor, base_probs: Tensor | None = None,
+               probs: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(argmax of ``logits``, argmax of ``base``, max |logits - base|, TVD = half the L1 distance
+    of the softmaxes) as 0-d tensors on the logits' device, so no host sync; pass softmaxes
+    already computed so that each side's is computed once."""
     if base_probs is None:
         base_probs = torch.softmax(base, -1)
     if probs is None:
         probs = torch.softmax(logits, -1)
-    tvd = 0.5 * (probs - base_probs).abs().sum()
-    match = int(logits.argmax()) == int(base.argmax())
-    return match, float((logits - base).abs().max()), float(tvd)
+    return (logits.argmax(), base.argmax(), (logits - base).abs().max(),
+            0.5 * (probs - base_probs).abs().sum())
+
+
+def logit_distance(logits: Tensor, base: Tensor) -> tuple[bool, float, float]:
+    """(argmax match, max |logits - base|, TVD) as Python values (`logit_gaps`)."""
+    token, base_token, linf, tvd = logit_gaps(logits, base)
+    return int(token) == int(base_token), float(linf), float(tvd)

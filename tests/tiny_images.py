@@ -35,27 +35,36 @@ def _text(layers: int, vocab: int = 330, **extra: Any) -> dict[str, Any]:
     return text
 
 
-def _qwen2_vl(layers: int, v25: bool = False) -> tuple[Any, Any]:
+def _qwen_vision_processor(processor_cls: Any) -> tuple[Any, dict[str, int]]:
+    """The Qwen-VL processor for pictures only, and the config's special-token ids: the 4:3
+    sample picture at 64 x 48 pixels, 8 x 6 patches of 8, a 4 x 3 grid of tokens after the
+    2 x 2 merge (Qwen2-VL, Qwen2.5-VL and Qwen3-VL alike)."""
+    from transformers import Qwen2VLImageProcessorPil
+
     from ctxpatch.core.images import pictures_only
 
+    tok = _tokenizer(["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"],
+                     {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
+    images = Qwen2VLImageProcessorPil(min_pixels=IMAGE_SIZE * IMAGE_SIZE,
+                                      max_pixels=4 * IMAGE_SIZE * IMAGE_SIZE, patch_size=8,
+                                      merge_size=2, temporal_patch_size=2, **_NORM)
+    processor = pictures_only(processor_cls)(image_processor=images, tokenizer=tok)
+    ids = {f"{k.replace('_pad', '')}_token_id": tok.convert_tokens_to_ids(f"<|{k}|>")
+           for k in ("image_pad", "video_pad", "vision_start", "vision_end")}
+    return processor, ids
+
+
+def _qwen2_vl(layers: int, v25: bool = False) -> tuple[Any, Any]:
     if v25:
         from transformers import Qwen2_5_VLConfig as Config
         from transformers import Qwen2_5_VLProcessor as Processor
     else:
         from transformers import Qwen2VLConfig as Config
         from transformers import Qwen2VLProcessor as Processor
-    from transformers import Qwen2VLImageProcessorPil
 
-    tok = _tokenizer(["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"],
-                     {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
-    # the 4:3 sample picture at 64 x 48 pixels: 8 x 6 patches of 8, a 4 x 3 grid of tokens after
-    # the 2 x 2 merge, which M-RoPE spans with 4 positions (the text after it moves back by 8)
-    images = Qwen2VLImageProcessorPil(min_pixels=IMAGE_SIZE * IMAGE_SIZE,
-                                      max_pixels=4 * IMAGE_SIZE * IMAGE_SIZE, patch_size=8,
-                                      merge_size=2, temporal_patch_size=2, **_NORM)
-    processor = pictures_only(Processor)(image_processor=images, tokenizer=tok)
-    ids = {f"{k}_token_id": tok.convert_tokens_to_ids(f"<|{k}|>")
-           for k in ("image_pad", "video_pad", "vision_start", "vision_end")}
+    # M-RoPE spans the 4 x 3 grid of picture tokens with 4 positions (the text after it moves
+    # back by 8)
+    processor, ids = _qwen_vision_processor(Processor)
     # M-RoPE: the head's 8 rotary dimensions split over time, height and width
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
     vision: dict[str, Any] = dict(depth=2, hidden_size=16, num_heads=2, patch_size=8,
@@ -66,27 +75,14 @@ def _qwen2_vl(layers: int, v25: bool = False) -> tuple[Any, Any]:
                       fullatt_block_indexes=[1])
     else:
         vision.update(embed_dim=16, hidden_size=32, mlp_ratio=2)
-    ids = {k.replace("_pad", ""): v for k, v in ids.items()}
     config = Config(text_config=_text(layers, rope_parameters=rope), vision_config=vision, **ids)
     return config, processor
 
 
 def _qwen3_vl(layers: int) -> tuple[Any, Any]:
-    from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLProcessor
+    from transformers import Qwen3VLConfig, Qwen3VLProcessor
 
-    from ctxpatch.core.images import pictures_only
-
-    tok = _tokenizer(["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"],
-                     {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
-    # as Qwen2-VL: the 4:3 sample picture at 64 x 48 pixels, 8 x 6 patches of 8, a 4 x 3 grid of
-    # tokens after the 2 x 2 merge
-    images = Qwen2VLImageProcessorPil(min_pixels=IMAGE_SIZE * IMAGE_SIZE,
-                                      max_pixels=4 * IMAGE_SIZE * IMAGE_SIZE, patch_size=8,
-                                      merge_size=2, temporal_patch_size=2, **_NORM)
-    processor = pictures_only(Qwen3VLProcessor)(image_processor=images, tokenizer=tok)
-    ids = {f"{k}_token_id": tok.convert_tokens_to_ids(f"<|{k}|>")
-           for k in ("image_pad", "video_pad", "vision_start", "vision_end")}
-    ids = {k.replace("_pad", ""): v for k, v in ids.items()}
+    processor, ids = _qwen_vision_processor(Qwen3VLProcessor)
     # interleaved M-RoPE over the head's 8 rotary dimensions; a Qwen3 language model (q and k
     # norms) that also takes DeepStack features of the first vision block in its first layer
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
