@@ -126,9 +126,9 @@ def _compare_options(p: argparse.ArgumentParser) -> None:
                         "forward less per token; the control's columns are then empty")
     p.add_argument("--control-row", default=CONTROL_ROWS[0], choices=CONTROL_ROWS,
                    help="with --absorb all, run the control as a second batch row of the patched "
-                        "pass (batched) or as a pass of its own (separate); auto: batched on "
-                        "GPUs and for 16-bit weights on CPUs, where a second row is nearly free "
-                        "(default auto)")
+                        "pass (batched) or as a pass of its own (separate); auto: batched "
+                        "wherever the model allows it (dense layers), measured faster (default "
+                        "auto)")
     p.add_argument("--chat-template", action="store_true",
                    help="wrap context and query in the tokenizer's chat template")
     p.add_argument("--stop-at-eos", action="store_true", help="stop when the baseline ends its text")

@@ -36,8 +36,8 @@ def query_row(x: Tensor, dtype: torch.dtype) -> Tensor:
     copy (batch is 1: MoE modules see the same rows flattened); of a (streams, 1, seq, width) one
     (Gemma 3n's AltUp streams, a decoder layer's output) every stream's, concatenated."""
     if x.dim() > 3:
-        return x[..., -1, :].reshape(-1).detach().to(dtype).clone()
-    return x.reshape(-1, x.shape[-1])[-1].detach().to(dtype).clone()
+        return x[..., -1, :].reshape(-1).detach().to(dtype, copy=True)
+    return x.reshape(-1, x.shape[-1])[-1].detach().to(dtype, copy=True)
 
 
 def last_rows(original: Any, patched: Any, last_only: bool) -> Any:

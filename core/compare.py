@@ -175,35 +175,47 @@ def parse_layers(spec: str, n: int | None) -> list[int]:
 
 class _Host:
     """The values a step shows, gathered on the model's device and brought to the host in one
-    transfer (on a GPU each ``float()`` or ``int()`` of a tensor stalls the pipeline)."""
+    transfer (on a GPU each ``float()`` or ``int()`` of a tensor stalls the pipeline). 0-d
+    tensors are stacked by dtype and device, not cast one by one (a step queues hundreds)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.parts: list[torch.Tensor] = []
-        self.size = 0
-        self.values: list[float] = []
+        self.scalars: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self.vectors: list[torch.Tensor] = []
+        self.values: dict[Any, Any] = {}
 
     def add(self, x: Any) -> Any:
         """Queue a tensor or pass a Python number through; returns a key for `get`: a 0-d tensor
         comes back as a number, any other as a list."""
         if not isinstance(x, torch.Tensor):
             return ("value", x)
-        flat = x.detach().reshape(-1).to(self.device, torch.float64)
-        key = ("slice" if x.ndim else "item", self.size, self.size + flat.numel())
-        self.parts.append(flat)
-        self.size += flat.numel()
-        return key
+        if x.ndim:
+            self.vectors.append(x.detach().reshape(-1))
+            return ("slice", len(self.vectors) - 1)
+        group = self.scalars.setdefault((x.dtype, x.device), [])
+        group.append(x.detach())
+        return ("item", (x.dtype, x.device), len(group) - 1)
 
     def fetch(self) -> None:
-        self.values = torch.cat(self.parts).tolist() if self.parts else []
+        groups = list(self.scalars.items())
+        parts = [torch.stack(ts).to(self.device, torch.float64) for _, ts in groups]
+        parts += [v.to(self.device, torch.float64) for v in self.vectors]
+        flat = torch.cat(parts).tolist() if parts else []
+        start = 0
+        for key, ts in groups:
+            self.values[key] = flat[start:start + len(ts)]
+            start += len(ts)
+        for i, v in enumerate(self.vectors):
+            self.values[i] = flat[start:start + v.numel()]
+            start += v.numel()
 
     def get(self, key: Any) -> Any:
         """The value (a float) or values (a list) queued under ``key``."""
-        kind, *where = key
-        if kind == "value":
-            return where[0]
-        start, stop = where
-        return self.values[start] if kind == "item" else self.values[start:stop]
+        if key[0] == "value":
+            return key[1]
+        if key[0] == "item":
+            return self.values[key[1]][key[2]]
+        return self.values[key[1]]
 
 
 def _decode(tokenizer: Any, token: int) -> str:
@@ -222,9 +234,9 @@ def _top_k(tokenizer: Any, host: _Host, keys: tuple[Any, Any]) -> TopK:
 
 
 def _queue_side(host: _Host, logits: torch.Tensor, base: torch.Tensor, base_probs: torch.Tensor,
-                k: int) -> dict[str, Any]:
+                base_token: torch.Tensor, k: int) -> dict[str, Any]:
     probs = torch.softmax(logits, -1)  # once per side per step
-    token, base_token, linf, tvd = logit_gaps(logits, base, base_probs, probs)
+    token, base_token, linf, tvd = logit_gaps(logits, base, base_probs, probs, base_token)
     return {"token": host.add(token), "base": host.add(base_token), "linf": host.add(linf),
             "tvd": host.add(tvd), "top": _queue_top_k(host, probs, k)}
 
@@ -281,41 +293,51 @@ def _ratio(x: float, ref: float) -> float:
     return x / ref if ref else (0.0 if x == 0 else math.inf)
 
 
-def _queue_patch_norms(host: _Host, lp: LayerPatch) -> dict[str, dict[str, Any]]:
-    """Per patched parameter, its measures queued for the host: Frobenius norm and largest
-    entry of a rank-1 patch, L2 and largest entry of a delta."""
-    out: dict[str, dict[str, Any]] = {}
-    for name, patch in lp.patches.items():
-        if isinstance(patch, Rank1):
-            out[name] = {"frobenius": host.add(patch.frobenius()),
-                         "top": host.add(patch.u.abs().max() * patch.a.abs().max())}
-        else:
-            out[name] = {"l2": host.add(patch.delta.norm()),
-                         "linf": host.add(patch.delta.abs().max())}
+def _queue_patch_norms(host: _Host, lps: dict[int, LayerPatch]
+                       ) -> dict[int, dict[str, dict[str, list[Any]]]]:
+    """Per layer and patched parameter, the L2 and largest-entry norms of its vectors (``u`` and
+    ``a`` of a rank-1 patch, a delta's vector) queued for the host: one ``_foreach_norm`` per
+    order for the whole step, not a handful of small operations per patch."""
+    named = [(i, name, patch) for i, lp in lps.items() for name, patch in lp.patches.items()]
+    vectors = [v for _, _, patch in named
+               for v in ((patch.u, patch.a) if isinstance(patch, Rank1) else (patch.delta,))]
+    two = torch._foreach_norm(vectors, 2) if vectors else []
+    top = torch._foreach_norm(vectors, math.inf) if vectors else []
+    out: dict[int, dict[str, dict[str, list[Any]]]] = {i: {} for i in lps}
+    j = 0
+    for i, name, patch in named:
+        n = 2 if isinstance(patch, Rank1) else 1
+        out[i][name] = {"l2": [host.add(x) for x in two[j:j + n]],
+                        "linf": [host.add(x) for x in top[j:j + n]]}
+        j += n
     return out
 
 
-def _patch_norms(host: _Host, keys: dict[str, dict[str, Any]], norms: _Norms
-                 ) -> dict[str, dict[str, float]]:
-    """Per patched parameter: its norms, ``relative`` (norm over the parameter's norm) and
-    ``entry_ratio`` (largest patch entry over the parameter's largest entry: what decides
-    whether the patched weights survive rounding in their own precision)."""
+def _patch_norms(host: _Host, keys: dict[str, dict[str, list[Any]]], norms: _Norms
+                 ) -> tuple[dict[str, dict[str, float]], bool]:
+    """Per patched parameter: its norms (a rank-1 patch's Frobenius norm ``|u| |a|``, a delta's
+    L2 and largest entry), ``relative`` (norm over the parameter's norm) and ``entry_ratio``
+    (largest patch entry over the parameter's largest entry: what decides whether the patched
+    weights survive rounding in their own precision); and whether any patch vector has a NaN
+    or infinite entry (its largest entry is then not finite)."""
     out: dict[str, dict[str, float]] = {}
+    nonfinite = False
     for name, k in keys.items():
         ref, ref_max = norms.of(name)
-        if "frobenius" in k:
-            fro, top = float(host.get(k["frobenius"])), float(host.get(k["top"]))
+        l2, linf = [host.get(x) for x in k["l2"]], [host.get(x) for x in k["linf"]]
+        nonfinite = nonfinite or not all(math.isfinite(x) for x in linf)
+        if len(l2) == 2:  # rank-1: |outer(u, a)|_F = |u| |a|, largest entry max|u| max|a|
+            fro = l2[0] * l2[1]
             out[name] = {"frobenius": fro, "relative": _ratio(fro, ref),
-                         "entry_ratio": _ratio(top, ref_max)}
+                         "entry_ratio": _ratio(linf[0] * linf[1], ref_max)}
         else:
-            l2, linf = float(host.get(k["l2"])), float(host.get(k["linf"]))
-            out[name] = {"l2": l2, "linf": linf, "relative": _ratio(l2, ref),
-                         "entry_ratio": _ratio(linf, ref_max)}
-    return out
+            out[name] = {"l2": l2[0], "linf": linf[0], "relative": _ratio(l2[0], ref),
+                         "entry_ratio": _ratio(linf[0], ref_max)}
+    return out, nonfinite
 
 
 def _queue_layer(host: _Host, lp: LayerPatch) -> dict[str, Any]:
-    return {f: host.add(getattr(lp, f)) for f in LAYER_MEASURES}
+    return {f: host.add(getattr(lp, f)) for f in LAYER_MEASURES if f != "nonfinite"}
 
 
 def _patch_arrays(lps: dict[int, LayerPatch], transposed: bool) -> dict[str, np.ndarray]:
@@ -395,21 +417,19 @@ def batched_control(loaded: LoadedModel, settings: Settings, sites: dict[int, An
     """Whether the control runs as a second batch row of the patched pass.
 
     Possible with absorb all, where both passes run the same reduced sequence without a cache
-    (with absorb context the control extends a cache of the reduced prefix instead), in families whose hooks can tell the rows apart (dense layers;
-    not Gemma 3n's AltUp streams). ``control_row`` "batched" or "separate" decides where it is
-    possible; "auto" follows what `ctxpatch bench --control-row` measured (docs/PERFORMANCE.md):
-    a second row is nearly free where a pass is bound by reading the weights (a GPU, 16-bit
-    weights on a CPU) and costs most of a pass where it is not (float32 on a CPU).
+    (with absorb context the control extends a cache of the reduced prefix instead), in families
+    whose hooks can tell the rows apart (dense layers; not Gemma 3n's AltUp streams).
+    ``control_row`` "batched" or "separate" decides where it is possible; "auto" batches, as
+    `bench/ab.py` measured it faster everywhere it could (docs/PERFORMANCE.md): a second row is
+    nearly free where a pass is bound by reading the weights (a GPU, 16-bit weights on a CPU),
+    and on a CPU in float32 once the head reads its weights once for both rows
+    (`core.forward.one_read_head`).
     """
     if not settings.control or settings.control_row == "separate":
         return False
     if settings.absorb != "all":
         return False
-    if not loaded.adapter.batch_rows or any(s.router is not None for s in sites.values()):
-        return False
-    if settings.control_row == "batched":
-        return True
-    return loaded.device.type != "cpu" or loaded.dtype in (torch.bfloat16, torch.float16)
+    return loaded.adapter.batch_rows and all(s.router is None for s in sites.values())
 
 
 def resolve_control_row(loaded: LoadedModel, settings: Settings) -> Settings:
@@ -562,20 +582,23 @@ def _step_result(loaded: LoadedModel, settings: Settings, plan: _Plan, step: int
     base, patched, ctrl = logits
     tok, k = loaded.tokenizer, settings.top_k
     host = _Host(base.device)
-    faults = _queue_faults(host, base, patched, ctrl, lps)
     base_probs = torch.softmax(base, -1)
-    base_keys = (host.add(base.argmax()), host.add(base.abs().max()),
+    base_token = base.argmax()
+    base_keys = (host.add(base_token), host.add(base.abs().max()),
                  _queue_top_k(host, base_probs, k))
-    sides = [None if x is None else _queue_side(host, x, base, base_probs, k)
+    sides = [None if x is None else _queue_side(host, x, base, base_probs, base_token, k)
              for x in (patched, ctrl)]
-    norm_keys = {i: _queue_patch_norms(host, lp) for i, lp in lps.items()}
+    norm_keys = _queue_patch_norms(host, lps)
     layer_keys = {i: _queue_layer(host, lp) for i, lp in lps.items()}
     host.fetch()
-    if settings.on_fault == "stop":
-        _check_finite(step, host, faults, loaded.dtype)
     token = int(host.get(base_keys[0]))
     plan.norms.prefetch(name for keys in norm_keys.values() for name in keys)
     pn = {i: _patch_norms(host, keys, plan.norms) for i, keys in norm_keys.items()}
+    scale = float(host.get(base_keys[1]))
+    if settings.on_fault == "stop":
+        _check_finite(step, scale, sorted(i for i, (_, bad) in pn.items() if bad),
+                      [float(host.get(side["linf"])) for side in sides if side is not None],
+                      loaded.dtype)
     full_ids, red_ids, red_pos = ids
     return StepResult(
         step=step,
@@ -583,50 +606,46 @@ def _step_result(loaded: LoadedModel, settings: Settings, plan: _Plan, step: int
         baseline_token=token,
         baseline_text=_decode(tok, token),
         baseline_top_k=_top_k(tok, host, base_keys[2]),
-        logit_scale=float(host.get(base_keys[1])),
+        logit_scale=scale,
         patched=_side(tok, host, sides[0]),
         control=NO_CONTROL if sides[1] is None else _side(tok, host, sides[1]),
         full_input_ids=tuple(full_ids),
         reduced_input_ids=tuple(red_ids),
         reduced_position_ids=tuple(red_pos) if red_pos is not None else None,
-        patch_norms=pn,
-        layer_info={i: _layer_info(host, keys, pn[i]) for i, keys in layer_keys.items()},
+        patch_norms={i: norms for i, (norms, _) in pn.items()},
+        layer_info={i: _layer_info(host, keys, *pn[i]) for i, keys in layer_keys.items()},
         seconds=seconds,
         patches=_patch_arrays(lps, loaded.adapter.transposed) if settings.keep_patches else None,
     )
 
 
-def _queue_faults(host: _Host, base: torch.Tensor, patched: torch.Tensor,
-                  ctrl: torch.Tensor | None, lps: dict[int, LayerPatch]) -> dict[str, Any]:
-    return {"base": host.add(~torch.isfinite(base).all()),
-            "layers": {i: host.add(lp.nonfinite) for i, lp in lps.items()},
-            "patched": host.add(~torch.isfinite(patched).all()),
-            "control": None if ctrl is None else host.add(~torch.isfinite(ctrl).all())}
-
-
-def _check_finite(step: int, host: _Host, keys: dict[str, Any], dtype: torch.dtype) -> None:
-    """A NaN or infinity stops the run at the step and layer where it appeared, in one line."""
+def _check_finite(step: int, scale: float, bad_layers: list[int], linfs: list[float],
+                  dtype: torch.dtype) -> None:
+    """A NaN or infinity stops the run at the step and layer where it appeared, in one line.
+    Read from values the step shows anyway: the full-context logits are finite when their
+    largest magnitude (the logit scale) is; then a side's logits are when their largest
+    distance to them is."""
     hint = (f"in {str(dtype).removeprefix('torch.')}: try float32 or bfloat16, or method "
             "'stable'; or continue past faults (on_fault 'continue')")
     where = f"numerical fault at token {step + 1}"
-    if host.get(keys["base"]):
+    if not math.isfinite(scale):
         raise UserError(f"{where}: the model's own full-context logits are NaN or infinite "
                         f"{hint}")
-    bad = sorted(i for i, k in keys["layers"].items() if host.get(k))
-    if bad:
-        raise UserError(f"{where}, layer {bad[0]}: a patch vector is NaN or infinite {hint}")
-    if host.get(keys["patched"]):
-        raise UserError(f"{where}: the patched logits are NaN or infinite {hint}")
-    if keys["control"] is not None and host.get(keys["control"]):
-        raise UserError(f"{where}: the unpatched control's logits are NaN or infinite {hint}")
+    if bad_layers:
+        raise UserError(f"{where}, layer {bad_layers[0]}: a patch vector is NaN or infinite "
+                        f"{hint}")
+    names = ("the patched logits", "the unpatched control's logits")
+    for name, linf in zip(names, linfs, strict=False):
+        if not math.isfinite(linf):
+            raise UserError(f"{where}: {name} are NaN or infinite {hint}")
 
 
-def _layer_info(host: _Host, keys: dict[str, Any], norms: dict[str, dict[str, float]]
-                ) -> LayerInfo:
+def _layer_info(host: _Host, keys: dict[str, Any], norms: dict[str, dict[str, float]],
+                nonfinite: bool) -> LayerInfo:
     ratio = max((v["entry_ratio"] for v in norms.values()), default=0.0)
     info: dict[str, Any] = {"entry_ratio": ratio, "unbounded": ratio > ENTRY_BOUND}
     for f, kind in LAYER_MEASURES.items():
-        value = host.get(keys[f])
+        value = nonfinite if f == "nonfinite" else host.get(keys[f])
         info[f] = kind(value) if not (kind is float and value is None) else math.nan
     return LayerInfo(**info)
 

@@ -88,7 +88,6 @@ class LayerPatch:
     div_by_one: Any = 0  # scale-patch coordinates with N(h)_j = 0
     hard_case: Any = False  # stable update: the secular equation had no interior root
     zero_s: Any = False  # MoE: the active routing weights summed to 0, no expert can absorb dv
-    nonfinite: Any = False  # a patch vector came out NaN or infinite
     block_error: Any = float("nan")  # max |T - T_C| at the query after patching
 
 
@@ -264,16 +263,12 @@ class _LayerPatcher:
         return x if st is None or st == x.dtype else x.to(st).to(x.dtype)
 
     def rank1(self, r: Rank1) -> Rank1:
-        """A rank-1 patch rounded as it is stored, its non-finite entries flagged."""
-        out = Rank1(self._stored(r.u), self._stored(r.a), r.void)
-        finite = torch.isfinite(out.u).all() & torch.isfinite(out.a).all()
-        self.result.nonfinite = either(self.result.nonfinite, ~finite)
-        return out
+        """A rank-1 patch rounded as it is stored (a non-finite entry is found from the patch
+        norms the step queues, `core.compare`)."""
+        return Rank1(self._stored(r.u), self._stored(r.a), r.void)
 
     def _delta(self, d: Tensor) -> Delta:
-        d = self._stored(d)
-        self.result.nonfinite = either(self.result.nonfinite, ~torch.isfinite(d).all())
-        return Delta(d)
+        return Delta(self._stored(d))
 
     def shift(self) -> Tensor:
         """``dv = v_C - v`` at the query (its norm kept in the result)."""

@@ -131,7 +131,7 @@ class MoEPatcher:
         kind: the layer's acting output kind: "experts" and "shared" are absorbed here.
         result: the layer's `LayerPatch`, filled here too.
         name: ``(module, param) -> qualified parameter name``.
-        rank1: rounds a rank-1 patch as stored and flags non-finite entries.
+        rank1: rounds a rank-1 patch as stored.
         shift: measures ``dv`` at the query (once the layer's ``v`` is known).
         dtype: compute dtype of the patch vectors.
     """

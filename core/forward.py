@@ -57,6 +57,39 @@ def rolled_back(cache: Any) -> Iterator[None]:
             layer.__dict__.update(state)
 
 
+@contextmanager
+def one_read_head(model: Any, rows: int) -> Iterator[None]:
+    """For a batch of ``rows`` > 1 on a CPU in float32 or float64: the output matrix as
+    ``W @ X^T``, which reads the weights once for all rows. ``F.linear`` (``X @ W^T``) for a few
+    rows costs a full read per row there, and more (measured: the demo's 262k-word head in
+    float32 takes 64 ms for one row, 156 ms as F.linear for two, 22 ms as ``W @ X^T`` for two;
+    docs/PERFORMANCE.md); the same products, rounded differently (float32: ~1e-6 of a logit).
+    Only a plain ``nn.Linear`` head without a forward of its own (accelerate's offload sets one)
+    is swapped, for the block only; restored in ``finally``."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if (rows < 2 or type(head) is not torch.nn.Linear or "forward" in vars(head)
+            or weight is None or weight.device.type != "cpu"
+            or weight.dtype not in (torch.float32, torch.float64)):
+        yield
+        return
+    linear: Any = head
+
+    def forward(x: Tensor) -> Tensor:
+        w = linear.weight
+        flat = x.reshape(-1, x.shape[-1])
+        y = (w @ flat.T).T
+        if linear.bias is not None:
+            y = y + linear.bias
+        return y.reshape(*x.shape[:-1], w.shape[0])
+
+    linear.forward = forward
+    try:
+        yield
+    finally:
+        del linear.forward
+
+
 def last_logits(model: Any, ids: Sequence[int], device: torch.device, cache: Any = None,
                 positions: Sequence[int] | None = None, pixels: dict[str, Any] | None = None,
                 prompt_length: int | None = None, rows: int = 1) -> torch.Tensor:
@@ -88,7 +121,8 @@ def last_logits(model: Any, ids: Sequence[int], device: torch.device, cache: Any
         positions = range(past, past + len(ids))
     if positions is not None:
         kwargs["position_ids"] = torch.tensor([list(positions)] * rows, device=device)
-    out = model(input_ids=input_ids, **kwargs)
+    with one_read_head(model, rows):
+        out = model(input_ids=input_ids, **kwargs)
     last = out.logits[:, -1] if rows > 1 else out.logits[0, -1]
     return last.detach().to("cpu", torch.float64)
 
@@ -102,15 +136,18 @@ def extend_cache(model: Any, ids: Sequence[int], device: torch.device, cache: An
 
 
 def logit_gaps(logits: Tensor, base: Tensor, base_probs: Tensor | None = None,
-               probs: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+               probs: Tensor | None = None, base_token: Tensor | None = None
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(argmax of ``logits``, argmax of ``base``, max |logits - base|, TVD = half the L1 distance
     of the softmaxes) as 0-d tensors on the logits' device, so no host sync; pass softmaxes
-    already computed so that each side's is computed once."""
+    (and the base's argmax) already computed so that each is computed once per step."""
     if base_probs is None:
         base_probs = torch.softmax(base, -1)
     if probs is None:
         probs = torch.softmax(logits, -1)
-    return (logits.argmax(), base.argmax(), (logits - base).abs().max(),
+    if base_token is None:
+        base_token = base.argmax()
+    return (logits.argmax(), base_token, (logits - base).abs().max(),
             0.5 * (probs - base_probs).abs().sum())
 
 

@@ -84,12 +84,13 @@ def _plan(model_type: str, device: str, dtype: torch.dtype, **settings):  # type
     return batched_control(loaded, Settings(**{"absorb": "all", **settings}), sites)  # type: ignore[arg-type]
 
 
-def test_the_rule_batches_where_it_can_and_pays() -> None:
+def test_the_rule_batches_where_it_can() -> None:
     assert _plan("gemma3_text", "cpu", torch.bfloat16)
     assert _plan("gemma3_text", "cpu", torch.float16)
     assert _plan("gemma3_text", "cuda", torch.float32)
-    assert not _plan("gemma3_text", "cpu", torch.float32)  # measured: no gain there
+    assert _plan("gemma3_text", "cpu", torch.float32)  # with the head read once for both rows
     assert _plan("gemma3_text", "cpu", torch.float32, control_row="batched")
+    assert not _plan("gemma3_text", "cpu", torch.float32, control_row="separate")
     assert not _plan("gemma3_text", "cuda", torch.bfloat16, control_row="separate")
     assert not _plan("gemma3_text", "cuda", torch.bfloat16, control=False)
     assert not _plan("gemma3_text", "cuda", torch.bfloat16, absorb="context")
@@ -97,12 +98,13 @@ def test_the_rule_batches_where_it_can_and_pays() -> None:
     assert not _plan("gemma3n_text", "cuda", torch.bfloat16, control_row="batched")  # AltUp
 
 
-@pytest.mark.parametrize("given,absorb,expected", [("auto", "all", "separate"),
+@pytest.mark.parametrize("given,absorb,expected", [("auto", "all", "batched"),
+                                                   ("separate", "all", "separate"),
                                                    ("batched", "all", "batched"),
                                                    ("batched", "context", "separate")])
 def test_the_record_says_which_control_row_ran(given: str, absorb: str, expected: str) -> None:
-    """Records keep their options resolved (DESIGN.md "Run JSON"): "auto" becomes what ran (a
-    float64 model on the CPU: separate), and "batched" where it cannot be (absorb context)
+    """Records keep their options resolved (DESIGN.md "Run JSON"): "auto" becomes what ran
+    (batched, a dense model with absorb all), and "batched" where it cannot be (absorb context)
     says separate."""
     from ctxpatch.core.runs import run_comparison
 
@@ -111,3 +113,36 @@ def test_the_record_says_which_control_row_ran(given: str, absorb: str, expected
     run = run_comparison(loaded, prompt, Settings(max_new_tokens=1, absorb=absorb,
                                                   control_row=given))
     assert run.record["settings"]["control_row"] == expected
+
+
+def test_the_head_reads_its_weights_once_for_both_rows_and_is_restored() -> None:
+    """`one_read_head`: the output matrix of a two-row batch as ``W @ X^T`` (float32 and float64
+    on a CPU), the same logits as ``F.linear`` to rounding; only for a block, only a plain
+    ``nn.Linear`` without a forward of its own (accelerate's offload sets one), and not for one
+    row or 16-bit weights (there F.linear is as fast)."""
+    from ctxpatch.core.forward import one_read_head
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=True).double()
+    model = SimpleNamespace(get_output_embeddings=lambda: head)
+    x = torch.randn(2, 1, 8, dtype=torch.float64)
+    expected = torch.nn.functional.linear(x, head.weight, head.bias)
+    with one_read_head(model, 2):
+        assert "forward" in vars(head)
+        got = head(x)
+    assert "forward" not in vars(head)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-13, atol=1e-13)
+    with pytest.raises(RuntimeError), one_read_head(model, 2):
+        raise RuntimeError("a failing forward")
+    assert "forward" not in vars(head)
+    for rows, dtype in ((1, torch.float64), (2, torch.bfloat16)):
+        head.to(dtype)
+        with one_read_head(model, rows):
+            assert "forward" not in vars(head)
+    head.double()
+    own = head.forward
+    head.forward = own  # as accelerate's hooks do
+    with one_read_head(model, 2):
+        assert vars(head)["forward"] is own
+    assert vars(head)["forward"] is own
