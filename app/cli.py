@@ -389,6 +389,9 @@ def run_bench(args: argparse.Namespace) -> int:
     from ctxpatch.core.prompt import check_prompt
 
     check_prompt(prompt, settings.absorb)
+    from ctxpatch.core.compare import resolve_control_row
+
+    settings = resolve_control_row(loaded, settings)  # (the JSON says which control row ran)
     result: dict[str, Any] = {"machine": machine(), "model": args.model, "dtype": args.dtype,
                               "device": str(loaded.device), "settings": settings.to_dict(),
                               "prompt_tokens": len(prompt.full_ids)}

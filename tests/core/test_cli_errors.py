@@ -162,6 +162,7 @@ def test_bench_prints_ratios_last(capsys: pytest.CaptureFixture[str], tiny_folde
     result = json.loads(out[-1])
     assert result["time_ratio"] > 0 and result["memory_ratio"] > 0
     assert result["generate_s"] > 0 and result["memory"]["compare"]["peak_bytes"] > 0
+    assert result["settings"]["control_row"] == "separate"  # what ran (absorb context), not auto
     assert main(["bench", "--model", str(tiny_folder), "--query", "q", "--absorb", "all",
                  "--repeats", "0"]) == 2
 
