@@ -40,6 +40,13 @@ def query_row(x: Tensor, dtype: torch.dtype) -> Tensor:
     return x.reshape(-1, x.shape[-1])[-1].detach().to(dtype, copy=True)
 
 
+def first_row_query(x: Tensor, dtype: torch.dtype, rows: int) -> Tensor:
+    """The query (last) position of batch row 0 of a ``(rows, seq, width)`` activation (or its
+    ``(rows * seq, width)`` flattening), as a (width,) copy: the full-context row of a step
+    that runs every row in one pass (`core.compare`)."""
+    return x.reshape(rows, -1, x.shape[-1])[0, -1].detach().to(dtype, copy=True)
+
+
 def last_rows(original: Any, patched: Any, last_only: bool) -> Any:
     """With ``last_only``, keep every row of a (seq, ...) output but the last from ``original``."""
     if not last_only:

@@ -30,7 +30,14 @@ from ctxpatch.core.engine import (
     recording,
 )
 from ctxpatch.core.errors import Cancelled, UserError
-from ctxpatch.core.forward import extend_cache, last_logits, logit_gaps, rolled_back
+from ctxpatch.core.forward import (
+    attention_only,
+    extend_cache,
+    last_logits,
+    logit_gaps,
+    rolled_back,
+    rows_logits,
+)
 from ctxpatch.core.loading import LoadedModel
 from ctxpatch.core.offload import resident
 from ctxpatch.core.patches import Delta, Rank1
@@ -411,6 +418,7 @@ class _Plan:
     norms: _Norms
     eos: set[int]
     batched: bool  # the control runs as a batch row beside the patched one
+    one_pass: bool  # after the first token, all rows in one cached pass (`one_pass`)
 
 
 def batched_control(loaded: LoadedModel, settings: Settings, sites: dict[int, Any]) -> bool:
@@ -430,6 +438,22 @@ def batched_control(loaded: LoadedModel, settings: Settings, sites: dict[int, An
     if settings.absorb != "all":
         return False
     return loaded.adapter.batch_rows and all(s.router is None for s in sites.values())
+
+
+def one_pass(loaded: LoadedModel, prompt: Prompt, settings: Settings,
+             sites: dict[int, Any]) -> bool:
+    """Whether, from the second token on, the full context, the control and the patched
+    sequence run as batch rows of one cached forward (`core.forward.rows_logits`): with absorb
+    all every row is the same one token, row 0 sees the full context's cache and the others
+    are masked from it, and the recording hooks read row 0 in the same module calls in which
+    the patching hooks patch the last row. One pass reads the weights once for every row (a
+    GPU's decoding is bound by that; on a CPU a few rows cost about one). Not with the BOS kept
+    (two reduced tokens), an image, MoE layers, Gemma 3n's streams, recurrent or state-space
+    layers (their states are not masked: checked on the cache), or ``control_row``
+    "separate", which keeps every row a pass of its own."""
+    return (settings.absorb == "all" and not settings.keep_bos and not prompt.pixels
+            and settings.control_row != "separate" and loaded.adapter.batch_rows
+            and all(s.router is None for s in sites.values()))
 
 
 def resolve_control_row(loaded: LoadedModel, settings: Settings) -> Settings:
@@ -494,7 +518,8 @@ def _plan(loaded: LoadedModel, prompt: Prompt, settings: Settings) -> _Plan:
     scale_names = {f"{names[id(s.out_norm)]}.weight" for s in sites.values() if s.out_norm is not None}
     return _Plan(layers, sites, spec, names, dtype, _Norms(model, adapter.norm_offset, scale_names),
                  _eos_ids(loaded) if settings.stop_at_eos else set(),
-                 batched_control(loaded, settings, sites))
+                 batched_control(loaded, settings, sites),
+                 one_pass(loaded, prompt, settings, sites))
 
 
 def iter_token_patches(
@@ -523,47 +548,64 @@ def iter_token_patches(
     ctrl_len = 0
     history: list[int] = []
     feed = full
+    rows = 1  # batch rows of one pass per token (`one_pass`), from the second token
     try:
         with torch.inference_mode():
             for step in range(settings.max_new_tokens):
                 if should_stop is not None and should_stop():
                     return
                 t0 = time.perf_counter()
-                with recording(layers, sites, dtype, should_stop) as targets:
-                    base = last_logits(model, feed, device, cache=base_cache, pixels=prompt.pixels)
-                t1 = time.perf_counter()
-                red_ids, red_pos = reduced_sequence(prompt, history, settings.absorb, settings.keep_bos)
-                ctrl = None
-                if cached_query:
-                    assert ctrl_cache is not None
-                    if len(red_ids) - 1 > ctrl_len:
-                        extend_cache(model, red_ids[ctrl_len:-1], device, ctrl_cache)
-                        ctrl_len = len(red_ids) - 1
-                    with rolled_back(ctrl_cache), patching(
-                        layers, sites, targets, spec, names, dtype, should_stop
-                    ) as lps:
-                        patched = last_logits(model, red_ids[-1:], device, cache=ctrl_cache)
-                elif plan.batched:  # the control as row 0, the patched sequence as row 1
-                    with patching(layers, sites, targets, replace(spec, batch=2), names, dtype,
-                                  should_stop) as lps:
-                        ctrl, patched = last_logits(model, red_ids, device, positions=red_pos,
-                                                    rows=2)
+                if step == 1 and plan.one_pass and attention_only(base_cache):
+                    rows = 3 if settings.control else 2  # full context, (control,) patched
+                    base_cache.batch_repeat_interleave(rows)
+                if rows > 1:  # one pass: the current token as every row (absorb all)
+                    red_ids, red_pos = reduced_sequence(prompt, history, "all")
+                    with recording(layers, sites, dtype, should_stop, rows=rows) as targets, \
+                            patching(layers, sites, targets, replace(spec, batch=rows), names,
+                                     dtype) as lps:
+                        out = rows_logits(model, red_ids[0], red_pos[0], device, base_cache, rows)
+                    logits = (out[0], out[-1], out[1] if settings.control else None)
+                    # (all of the one pass counts as the baseline's time)
+                    seconds = {"baseline": time.perf_counter() - t0, "patched": 0.0,
+                               "control": 0.0}
                 else:
-                    with patching(layers, sites, targets, spec, names, dtype, should_stop) as lps:
-                        patched = last_logits(model, red_ids, device, positions=red_pos)
-                t2 = time.perf_counter()
-                if plan.batched or not settings.control:
-                    pass  # (scope query still extends the prefix cache above, step by step)
-                elif ctrl_cache is not None:
-                    ctrl = last_logits(model, red_ids[ctrl_len:], device, cache=ctrl_cache)
-                    ctrl_len = len(red_ids)
-                else:
-                    ctrl = last_logits(model, red_ids, device, positions=red_pos)
-                t3 = time.perf_counter()
+                    with recording(layers, sites, dtype, should_stop) as targets:
+                        base = last_logits(model, feed, device, cache=base_cache, pixels=prompt.pixels)
+                    t1 = time.perf_counter()
+                    red_ids, red_pos = reduced_sequence(prompt, history, settings.absorb, settings.keep_bos)
+                    ctrl = None
+                    if cached_query:
+                        assert ctrl_cache is not None
+                        if len(red_ids) - 1 > ctrl_len:
+                            extend_cache(model, red_ids[ctrl_len:-1], device, ctrl_cache)
+                            ctrl_len = len(red_ids) - 1
+                        with rolled_back(ctrl_cache), patching(
+                            layers, sites, targets, spec, names, dtype, should_stop
+                        ) as lps:
+                            patched = last_logits(model, red_ids[-1:], device, cache=ctrl_cache)
+                    elif plan.batched:  # the control as row 0, the patched sequence as row 1
+                        with patching(layers, sites, targets, replace(spec, batch=2), names, dtype,
+                                      should_stop) as lps:
+                            ctrl, patched = last_logits(model, red_ids, device, positions=red_pos,
+                                                        rows=2)
+                    else:
+                        with patching(layers, sites, targets, spec, names, dtype, should_stop) as lps:
+                            patched = last_logits(model, red_ids, device, positions=red_pos)
+                    t2 = time.perf_counter()
+                    if plan.batched or not settings.control:
+                        pass  # (scope query still extends the prefix cache above, step by step)
+                    elif ctrl_cache is not None:
+                        ctrl = last_logits(model, red_ids[ctrl_len:], device, cache=ctrl_cache)
+                        ctrl_len = len(red_ids)
+                    else:
+                        ctrl = last_logits(model, red_ids, device, positions=red_pos)
+                    logits = (base, patched, ctrl)
+                    seconds = {"baseline": t1 - t0, "patched": t2 - t1,
+                               "control": time.perf_counter() - t2}
                 result = _step_result(
-                    loaded, settings, plan, step, (base, patched, ctrl), lps,
+                    loaded, settings, plan, step, logits, lps,
                     ids=(full + history, red_ids, red_pos), position=len(full) + len(history) - 1,
-                    seconds={"baseline": t1 - t0, "patched": t2 - t1, "control": t3 - t2})
+                    seconds=seconds)
                 yield result
                 history.append(result.baseline_token)
                 feed = [result.baseline_token]

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from ctxpatch.core.activations import (
     first_input,
     first_output,
+    first_row_query,
     keep_patched_rows,
     query_row,
     rank1_action,
@@ -173,6 +174,7 @@ def recording(
     sites: Mapping[int, LayerSites],
     dtype: torch.dtype,
     should_stop: StopFn | None = None,
+    rows: int = 1,
 ) -> Iterator[dict[int, LayerTargets]]:
     """Record the targets of the patched layers during one full-context forward.
 
@@ -180,18 +182,26 @@ def recording(
         layers: all decoder layers (each checks ``should_stop`` before it runs).
         sites: the patched layers' handles, by layer index.
         dtype: compute dtype of the stored targets.
+        rows: with more than 1, the forward runs that many batch rows and batch row 0 is the
+            full context's (the others are patched by `patching`, whose hooks, registered
+            after these, read the targets in the same module calls); the post-norm's branch is
+            then computed at the down matrix, where the stable update needs it.
 
     Yields:
         A dict filled during the forward: layer index -> `LayerTargets` at the last position.
     """
     targets: dict[int, LayerTargets] = {i: LayerTargets() for i in sites}
+
+    def query(x: Tensor) -> Tensor:
+        return query_row(x, dtype) if rows == 1 else first_row_query(x, dtype, rows)
+
     with _hook_scope() as add:
         _stop_hooks(add, layers, should_stop)
         for i, s in sites.items():
             t = targets[i]
 
             def keep_v(x: Tensor, t: LayerTargets = t) -> None:
-                t.v_parts.append(query_row(x, dtype))
+                t.v_parts.append(query(x))
 
             for module, kind in s.v_sources:
                 _source_hook(add, module, kind, keep_v)
@@ -199,13 +209,16 @@ def recording(
 
                 def keep_in(m: nn.Module, a: Any, out: Any, t: LayerTargets = t,
                             role: str = role) -> None:
-                    t.inputs[role] = query_row(first_output(out), dtype)
+                    t.inputs[role] = query(first_output(out))
 
                 add(module.register_forward_hook(keep_in))
 
-            def keep_down(m: nn.Module, a: Any, out: Any, t: LayerTargets = t) -> None:
-                t.down = query_row(first_output(out), dtype)
+            def keep_down(m: nn.Module, a: Any, out: Any, t: LayerTargets = t,
+                          norm: nn.Module | None = s.out_norm) -> None:
+                t.down = query(first_output(out))
                 t.branch = t.down
+                if rows > 1 and norm is not None:  # (`keep_branch` comes too late then)
+                    t.branch = query(plain_call(norm, {}, first_output(out)))
 
             if s.out_matrix is not None:
                 add(s.out_matrix.register_forward_hook(keep_down))
@@ -214,12 +227,12 @@ def recording(
             if s.out_norm is not None:
 
                 def keep_branch(m: nn.Module, a: Any, out: Any, t: LayerTargets = t) -> None:
-                    t.branch = query_row(first_output(out), dtype)
+                    t.branch = query(first_output(out))
 
                 add(s.out_norm.register_forward_hook(keep_branch))
 
             def keep_block(m: nn.Module, a: Any, out: Any, t: LayerTargets = t) -> None:
-                t.block = query_row(first_output(out), dtype)
+                t.block = query(first_output(out))
 
             add(s.layer.register_forward_hook(keep_block))
         yield targets

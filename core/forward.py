@@ -127,6 +127,32 @@ def last_logits(model: Any, ids: Sequence[int], device: torch.device, cache: Any
     return last.detach().to("cpu", torch.float64)
 
 
+def attention_only(cache: Any) -> bool:
+    """Whether every layer of a DynamicCache holds keys and values only (full or sliding
+    window): what `rows_logits` can mask row by row (recurrent and state-space states cannot
+    be hidden by an attention mask)."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers)
+
+
+def rows_logits(model: Any, token: int, position: int, device: torch.device, cache: Any,
+                rows: int) -> torch.Tensor:
+    """One token at ``position`` as ``rows`` batch rows of one cached forward: row 0 sees the
+    whole cache (the full context), the others only themselves, as a run without any context
+    would (an attention mask hides the cache from them; ``cache`` must hold ``rows`` rows and
+    ``position`` tokens, `attention_only`). Returns the last-position logits, ``(rows,
+    vocabulary)``, float64 on the CPU."""
+    mask = torch.zeros((rows, position + 1), dtype=torch.long, device=device)
+    mask[0] = 1
+    mask[:, -1] = 1
+    with one_read_head(model, rows):
+        out = model(input_ids=torch.full((rows, 1), token, device=device), attention_mask=mask,
+                    position_ids=torch.full((rows, 1), position, device=device), cache=cache,
+                    use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1].detach().to("cpu", torch.float64)
+
+
 def extend_cache(model: Any, ids: Sequence[int], device: torch.device, cache: Any) -> None:
     """Run ``ids`` into ``cache`` through the decoder alone: the keys and values without the
     output matrix (on the demo model the 262k-word head is two thirds of a one-token pass)."""

@@ -18,7 +18,9 @@ from tiny_hybrid import ALL_LAYERS_ONLY
 
 from ctxpatch.core.adapters import REGISTRY
 from ctxpatch.core.compare import Settings, batched_control, iter_token_patches
+from ctxpatch.core.forward import attention_only
 from ctxpatch.core.prompt import build_prompt
+from transformers import DynamicCache
 
 QUERY = "The quick brown fox jumps over the lazy dog. Hello world!"
 TOKENS = 3
@@ -146,3 +148,48 @@ def test_the_head_reads_its_weights_once_for_both_rows_and_is_restored() -> None
     with one_read_head(model, 2):
         assert vars(head)["forward"] is own
     assert vars(head)["forward"] is own
+
+
+def _forwards(loaded, **kw):  # type: ignore[no-untyped-def]
+    """The steps of a run and how many forwards of the whole model each step made."""
+    calls: list[int] = []
+    handle = loaded.model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    try:
+        prompt = build_prompt(loaded.tokenizer, "", QUERY)
+        steps, counts = [], []
+        for step in iter_token_patches(loaded, prompt, Settings(max_new_tokens=TOKENS,
+                                                                absorb="all", **kw)):
+            steps.append(step)
+            counts.append(len(calls))
+            calls.clear()
+    finally:
+        handle.remove()
+    return steps, counts
+
+
+@pytest.mark.parametrize("name", sorted(["gemma3", *TINY, *ALL_LAYERS_ONLY]))
+def test_one_pass_per_token_after_the_first(name: str) -> None:
+    """From the second token on, the full context, the control and the patched sequence run as
+    rows of one cached forward (dense families with attention layers only; MoE, recurrent and
+    state-space families keep their passes), with or without the control; the patched logits
+    equal the full context's (float64) and those of the separate passes."""
+    loaded = _loaded(name)
+    for control in (True, False):
+        one, counts = _forwards(loaded, control=control)
+        separate, separate_counts = _forwards(loaded, control=control, control_row="separate")
+        sites = dict(enumerate(map(loaded.adapter.sites, loaded.adapter.layers(loaded.model))))
+        eligible = (loaded.adapter.batch_rows and all(s.router is None for s in sites.values())
+                    and attention_only(DynamicCache(config=loaded.model.config)))
+        assert separate_counts == [2 + control] * TOKENS
+        # the first token: the full prompt's pass, then the patched (and control) rows
+        batched = batched_control(loaded, Settings(absorb="all", control=control), sites)
+        assert counts == ([2] + [1] * (TOKENS - 1) if eligible
+                          else [2 + (control and not batched)] * TOKENS)
+        for a, b in zip(one, separate, strict=True):
+            scale = b.logit_scale
+            assert a.baseline_token == b.baseline_token
+            assert a.patched.linf <= EXACT * scale
+            assert abs(a.patched.linf - b.patched.linf) <= SAME * scale
+            if control:
+                assert abs(a.control.linf - b.control.linf) <= SAME * scale
+                assert a.control.linf > 1e3 * EXACT * scale
