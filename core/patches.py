@@ -23,6 +23,7 @@ the stable update is always solved in float64.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,8 +61,11 @@ Patch = Rank1 | Delta
 
 def either(flag: Any, more: Any) -> Any:
     """``flag or more`` for Python bools and 0-d bool tensors alike, without a host sync."""
-    if isinstance(flag, Tensor) or isinstance(more, Tensor):
-        return torch.logical_or(torch.as_tensor(flag), torch.as_tensor(more))
+    if isinstance(flag, Tensor) and isinstance(more, Tensor):
+        return torch.logical_or(flag, more)
+    if isinstance(flag, Tensor) or isinstance(more, Tensor):  # a Python bool: no tensor made
+        tensor, plain = (flag, more) if isinstance(flag, Tensor) else (more, flag)
+        return torch.ones_like(tensor, dtype=torch.bool) if plain else tensor.bool()
     return bool(flag or more)
 
 
@@ -129,21 +133,48 @@ class RmsFit:
     hard_case: Tensor  # () bool: no interior root, the fallback of PAPER.md section 5 was used
 
 
-def _secular(gm2: Tensor, m2: Tensor, mu: Tensor) -> Tensor:
-    """``F(mu) = mean((g m)^2 / (m^2 - mu)^2)``; ``mu`` may be a batch of candidates (k, 1)."""
-    d = m2 - mu
-    return (gm2 / (d * d)).mean(-1)
+#: `solve_rms_fit`'s first steps that keep the bracket and bisect it when the model root leaves it
+_GUARDED = 3
 
 
-def solve_rms_fit(g: Tensor, m: Tensor, rounds: int = 12) -> RmsFit:
+def solve_rms_fit(g: Tensor, m: Tensor, steps: int = 6) -> RmsFit:
     """Fit ``m * y`` to ``g`` with ``y`` on the RMS sphere ``mean(y^2) = 1``.
 
     Stationarity gives ``y_k = g_k m_k / (m_k^2 - mu)`` with ``mu`` the root below ``min m^2`` of
-    the secular equation ``F(mu) = 1``; on ``(-inf, min m^2)`` F rises monotonically from 0, so
-    that root is unique and gives the global minimiser (as in trust-region theory). Found in
-    float64 on a bracket where ``F(lo) < 1`` (``F(mu) <= max(gm^2) / (min m^2 - mu)^2``, so
-    ``lo = min m^2 - max|g m| - 1`` works), shrunk 64-fold per round: 12 rounds reach 2^-72
-    of the bracket, below float64 resolution.
+    the secular equation ``F(mu) = 1``, ``F(mu) = mean((g m)^2 / (m^2 - mu)^2)``; on
+    ``(-inf, min m^2)`` F rises monotonically from 0, so that root is unique and gives the global
+    minimiser (as in trust-region theory).
+
+    Solved in float64 in ``t = min m^2 - mu > 0`` (the distance to the pole; F is evaluated with
+    the denominators ``(m^2 - min m^2) + t``, exact at the minimising coordinates however small
+    ``t`` is), by a fixed number of steps with no host round trip:
+
+    - A bracket from bounds: ``F <= mean((g m)^2) / t^2`` and, when ``F_edge`` (the other
+      coordinates' F at the pole) is below 1, ``F <= a / t^2 + F_edge`` (``a``: the minimisers'
+      ``(g m)^2`` summed, over ``n``) bound the root above; ``F >= (g_j m_j)^2 / (n (m_j^2 -
+      min m^2 + t)^2)`` for every j and the tangent at the pole of the other coordinates' F
+      (convex) bound it below; ``t >= min m^2 2^-52 + 2^-1074`` keeps ``mu`` below ``min m^2``.
+    - From ``t`` (the bracket's geometric middle first), a rational model: with ``S3``, ``S4``
+      the means of ``(g m)^2 / d^3`` and ``/ d^4`` (``d = m^2 - mu``), F is modelled as one pole
+      at distance ``u = S3 / S4`` holding ``C = S3^2 / S4`` of it plus a constant ``F - C``
+      (it matches F, F' and F'' at ``t``; exact for one pole, so for one dominating coordinate,
+      and for a small pole term over a flat rest, the near-hard case where Newton steps on
+      ``F^(-1/2)`` stall). Its root is the next ``t``:
+      ``t + (S3^2 / sqrt(S3^2 + S4 (1 - F)) - S3) / S4``.
+    - The first `_GUARDED` steps keep the bracket (the sides where ``F < 1`` and ``F >= 1``) and
+      take the bracket's geometric middle instead of a model root outside it (a root that
+      leaves it by at most ``2^-30 t``, rounding at convergence, is moved onto it); the later
+      steps only clamp the model root into the bracket (a NaN root, from a model with no root,
+      becomes its upper end). Geometric bisection, as roots may lie many decades below the
+      bounds (near-hard cases, ``g`` a few ulps at the minimiser).
+
+    Six steps reach float64 resolution on tests/core/test_patches.py's sweep and on thousands of
+    sweep-like random cases (the model converges cubically; the slowest, a tiny pole term next
+    to other close poles, alternate sides for three steps). About 180 operations on 0-d tensors
+    and 640-vectors: 0.21 ms at 640 coordinates on this CPU under inference mode (0.26 ms
+    outside it), against 0.64 ms (0.75 ms) for the 12 rounds of the 63-point bracketed search
+    it replaced. The result is the float64 at or below the root (``F(mu) <= 1`` up to
+    rounding), as that search's was.
 
     Hard case: when every coordinate attaining ``min m^2`` has ``g_k m_k = 0``, F may stay below 1
     up to ``min m^2``. Then ``mu = min m^2``, the other coordinates take the regular formula and the
@@ -152,6 +183,7 @@ def solve_rms_fit(g: Tensor, m: Tensor, rounds: int = 12) -> RmsFit:
     Args:
         g: (d,) the target branch output.
         m: (d,) the post-norm scale.
+        steps: model steps (each one evaluation of F and its first two derivatives).
 
     Returns:
         An `RmsFit` in float64.
@@ -159,34 +191,53 @@ def solve_rms_fit(g: Tensor, m: Tensor, rounds: int = 12) -> RmsFit:
     g64, m64 = g.double(), m.double()
     n = g64.numel()
     gm = g64 * m64
-    gm2, m2 = gm * gm, m64 * m64
+    m2 = m64 * m64
     m2_min = m2.min()
     at_min = m2 == m2_min
-    others = ~at_min
+    gap = m2 - m2_min
+    gap_out = gap.masked_fill(at_min, math.inf)  # leaves the minimisers out of the edge sums
     # Hard case (decided on the device, no host round trip): F stays finite just below min m^2
     # only when every minimising coordinate has g m = 0, and it is then the hard case when F
     # there is at most 1.
-    gap = torch.where(others, m2 - m2_min, torch.ones_like(m2))
-    f_edge = torch.where(others, gm2 / (gap * gap), torch.zeros_like(m2)).sum() / n
-    hard = ~(gm.ne(0) & at_min).any() & (f_edge <= 1)
-    y_hard = torch.where(others, gm / gap, torch.zeros_like(gm))
-    rest = (n - (y_hard * y_hard).sum()).clamp_min(0)
-    first = torch.zeros_like(at_min).scatter(0, at_min.to(torch.uint8).argmax().reshape(1),
-                                             True)  # one minimising coordinate takes the rest
-    y_hard = torch.where(first, rest.sqrt(), y_hard)
-    lo = m2_min - gm.abs().max() - 1.0
-    hi = m2_min.clone()
-    # Bracketed search with no host round trip: each round evaluates F at 63 interior points
-    # and keeps the sub-interval where F crosses 1 (F is increasing), shrinking it 64-fold.
-    frac = torch.arange(1, 64, dtype=torch.float64, device=g.device) / 64.0
-    for _ in range(rounds):
-        pts = lo + (hi - lo) * frac  # (63,)
-        k = (_secular(gm2, m2, pts[:, None]) < 1).sum()
-        grid = torch.cat([lo.reshape(1), pts, hi.reshape(1)])
-        lo, hi = grid[k], grid[k + 1]
-    mu = lo  # F(lo) <= 1 side: keeps the denominator away from zero
-    denominator = m2 - mu
-    y = gm / torch.where(denominator == 0, torch.ones_like(denominator), denominator)
+    y_edge = gm / gap_out  # the other coordinates' y at mu = min m^2 (0 at the minimisers)
+    s_edge = torch.dot(y_edge, y_edge)  # n F_edge
+    short = float(n) - s_edge
+    gm_pole = gm * at_min
+    hard = (short >= 0.0) > gm_pole.any()  # on bools, a > b is a and not b
+    rest = short.clamp_min(0.0).sqrt_()
+    y_hard = y_edge.scatter(0, m2.argmin().reshape(1), rest.reshape(1))  # one minimiser: the rest
+    # The bracket [t_lo, t_hi] on t = min m^2 - mu (see the docstring).
+    gms = gm * (1.0 / math.sqrt(n))
+    pole = torch.dot(gm_pole, gm_pole).sqrt_()  # sqrt(n a)
+    t_min = m2_min * 2.0**-52 + 2.0**-1074
+    t_hi = torch.fmin(torch.dot(gms, gms).sqrt_(), pole / rest).clamp_min_(t_min)
+    tangent = short / (-2.0 * torch.dot(y_edge, y_edge / gap_out))
+    t_lo = torch.fmax((gms.abs() - gap).max(), tangent).clamp_min_(t_min)
+    one = torch.ones_like(m2_min)
+    t = t_lo.sqrt() * t_hi.sqrt()
+    for k in range(steps):
+        d = gap + t
+        y = gms / d
+        yd = y / d
+        f = torch.dot(y, y)  # F
+        s3 = torch.dot(y, yd)  # -F'(t) / 2
+        s4 = torch.dot(yd, yd)  # F''(t) / 6
+        s3s3 = s3 * s3
+        t_next = torch.addcdiv(t, torch.addcmul(s3s3, s4, one - f).rsqrt_().mul_(s3s3).sub_(s3), s4)
+        if k < _GUARDED:
+            below = f < one  # F decreases in t: t is then above the root
+            t_hi = torch.where(below, t, t_hi)
+            t_lo = torch.where(below, t_lo, t)
+            inside = t_next.clamp(t_lo, t_hi)
+            t = torch.where((inside - t_next).abs_() <= t * 2.0**-30, inside,
+                            t_lo.sqrt() * t_hi.sqrt())
+        else:
+            t = torch.fmin(t_next, t_hi).fmax(t_lo)
+    # The float64 at or below the root, as the bracketed search returned (F <= 1 there: y inside
+    # the sphere by rounding, not outside, when the root lies within a few ulps of min m^2).
+    mu = m2_min - t
+    mu = torch.where(m2_min - mu < t, torch.nextafter(mu, torch.full_like(mu, -math.inf)), mu)
+    y = gm / (m2 - mu)
     return RmsFit(y=torch.where(hard, y_hard, y), mu=torch.where(hard, m2_min, mu),
                   hard_case=hard)
 

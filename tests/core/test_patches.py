@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -169,6 +170,71 @@ def test_rms_fit_matches_bisection_on_a_sweep() -> None:
         assert float(fit.mu) < float((m * m).min())
         assert ulps or _sphere_error(g, m, float(fit.mu)) <= max(1e-7, 10 * reference), trial
     assert checked > 300
+
+
+def _random_secular_cases() -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(kind, g, m) at widths 16, 64 and 640, other than the sweep's: 0 the scale conditioned as
+    the stable update fits it (the root away from the pole); 1 near-hard (the minimiser's g m
+    small, the other coordinates' F at the pole 1 - delta, delta 1e-9 to 1e-1); 2 no pole (m = 0
+    at the minimiser) with the other coordinates' F there 1 + delta, delta 1e-9 to 1."""
+    gen = torch.Generator().manual_seed(23)
+
+    def power(lo: float, hi: float) -> float:  # 10^u, u uniform in [lo, hi]
+        return 10 ** float(torch.empty(1).uniform_(lo, hi, generator=gen))
+
+    for trial in range(120):
+        kind, n = trial % 3, (16, 64, 640)[trial // 3 % 3]
+        m = torch.randn(n, generator=gen) * power(-2, 1)
+        g = torch.randn(n, generator=gen) * power(-2, 2)
+        k = int((m * m).argmin())
+        others = torch.arange(n) != k
+        if kind == 0:
+            tau = 0.1 * m.pow(2).mean().sqrt()
+            m = torch.where(m.abs() < tau, torch.where(m < 0, -tau, tau), m)
+        elif kind == 1:
+            gap = m * m - (m * m)[k]
+            edge = float(((g * m)[others] / gap[others]).pow(2).sum()) / n
+            g = torch.where(others, g * math.sqrt((1 - power(-9, -1)) / edge), g)
+            g[k] *= power(-9, -2)
+        else:
+            m[k] = 0.0
+            edge = float(((g * m)[others] / (m * m)[others]).pow(2).sum()) / n
+            g = g * math.sqrt((1 + power(-9, 0)) / edge)
+        yield kind, g, m
+
+
+def test_rms_fit_agrees_with_bisection_on_random_cases() -> None:
+    """The fixed-step safeguarded solve against 200 float64 bisection steps: on the sphere as
+    well as the bisection (the sweep's accuracy), mu on its side of the root (F <= 1), and the
+    same distance to the pole: to 1e-12 where the root is away from the pole, to 1e-6 where F is
+    nearly flat in mu near the root (near-hard, no pole). Fails with 4 steps instead of 6."""
+    for trial, (kind, g, m) in enumerate(_random_secular_cases()):
+        fit = solve_rms_fit(g, m)
+        assert not fit.hard_case, trial
+        pole = float((m * m).min())
+        mu, reference = float(fit.mu), _bisection_root(g, m)
+        assert mu < pole and torch.isfinite(fit.y).all(), trial
+        assert fit.y.dtype == torch.float64 and fit.mu.dtype == torch.float64
+        assert _sphere_error(g, m, mu) <= max(1e-7, 10 * _sphere_error(g, m, reference)), trial
+        assert float(fit.y.pow(2).mean()) <= 1 + 1e-14, trial
+        tol = 1e-12 if kind == 0 else 1e-6
+        assert abs(mu - reference) <= tol * (pole - reference), (trial, mu, reference)
+
+
+def test_rms_fit_makes_no_host_sync() -> None:
+    """The solve and the stable target stay on the device (a fixed number of steps, conditions
+    as tensors): no value crosses to the host, in the regular case or the hard one."""
+    from ctxpatch.core.bench import counting_host_syncs
+
+    gen = torch.Generator().manual_seed(29)
+    g = torch.randn(640, generator=gen, dtype=torch.float32)
+    m = torch.randn(640, generator=gen, dtype=torch.float32)
+    with counting_host_syncs() as count:
+        fits = [solve_rms_fit(g, m), solve_rms_fit(torch.tensor([5.0, 0.1, 0.1, 0.1]),
+                                                   torch.tensor([0.0, 1.0, 2.0, 3.0]))]
+        stable_down_target(g, m, torch.tensor(1.5))
+    assert count[0] == 0
+    assert not fits[0].hard_case and fits[1].hard_case
 
 
 def test_rms_fit_hard_case() -> None:
