@@ -20,14 +20,12 @@ accelerate are read through `core.offload`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, nn
-
 from ctxpatch.core.activations import (
     first_input,
     first_output,
@@ -46,6 +44,7 @@ from ctxpatch.core.patches import (
     Delta,
     Patch,
     Rank1,
+    conditioned_scale,
     either,
     fit_down_target,
     matrix_output_patch,
@@ -54,6 +53,7 @@ from ctxpatch.core.patches import (
     scale_patch,
     stable_down_target,
 )
+from torch import Tensor, nn
 
 StopFn = Callable[[], bool]
 
@@ -175,6 +175,7 @@ def recording(
     dtype: torch.dtype,
     should_stop: StopFn | None = None,
     rows: int = 1,
+    branch_at_down: Collection[int] = (),
 ) -> Iterator[dict[int, LayerTargets]]:
     """Record the targets of the patched layers during one full-context forward.
 
@@ -184,8 +185,10 @@ def recording(
         dtype: compute dtype of the stored targets.
         rows: with more than 1, the forward runs that many batch rows and batch row 0 is the
             full context's (the others are patched by `patching`, whose hooks, registered
-            after these, read the targets in the same module calls); the post-norm's branch is
-            then computed at the down matrix, where the stable update needs it.
+            after these, read the targets in the same module calls).
+        branch_at_down: layers whose post-norm branch is computed at the down matrix, where
+            the stable update and the fit need it (with ``rows`` > 1 the post-norm runs after
+            the down matrix's patch is made).
 
     Yields:
         A dict filled during the forward: layer index -> `LayerTargets` at the last position.
@@ -213,11 +216,13 @@ def recording(
 
                 add(module.register_forward_hook(keep_in))
 
+            early = s.out_norm if i in branch_at_down else None
+
             def keep_down(m: nn.Module, a: Any, out: Any, t: LayerTargets = t,
-                          norm: nn.Module | None = s.out_norm) -> None:
+                          norm: nn.Module | None = early) -> None:
                 t.down = query(first_output(out))
                 t.branch = t.down
-                if rows > 1 and norm is not None:  # (`keep_branch` comes too late then)
+                if norm is not None:  # (`keep_branch` may come too late)
                     t.branch = query(plain_call(norm, {}, first_output(out)))
 
             if s.out_matrix is not None:
@@ -257,8 +262,11 @@ class _LayerPatcher:
         spec: PatchSpec,
         names: Mapping[int, str],
         dtype: torch.dtype,
+        memo: dict[Any, Tensor] | None = None,
     ) -> None:
         self.s, self.t, self.spec, self.names, self.dtype = sites, target, spec, names, dtype
+        self.index = index
+        self.memo: dict[Any, Tensor] = {} if memo is None else memo  # (weights-only values)
         self.kind = spec.outputs[index].acting  # what absorbs dv here (the run's plan)
         self.result = LayerPatch(layer=index)
         self.v_parts: list[Tensor] = []
@@ -330,8 +338,13 @@ class _LayerPatcher:
             m = self._scale()
             self.g = self.shift() + self.t.branch
             c_rms = self.t.down.pow(2).mean().sqrt()
-            target = fit_down_target if self.kind == "fit" else stable_down_target
-            h_target, hard = target(self.g, m, c_rms)
+            if self.kind == "fit":
+                h_target, hard = fit_down_target(self.g, m, c_rms)
+            else:
+                key = (self.index, "conditioned")
+                if key not in self.memo:
+                    self.memo[key] = conditioned_scale(m.double())
+                h_target, hard = stable_down_target(self.g, m, c_rms, self.memo[key])
             self.result.hard_case = hard
             shift = h_target - query_row(y, self.dtype)
         r = matrix_output_patch(shift, query_row(x, self.dtype))
@@ -341,9 +354,13 @@ class _LayerPatcher:
         return replace_output(output, rank1_action(x, y, r, spec.last_only, spec.batch))
 
     def _scale(self) -> Tensor:
-        norm = self.s.out_norm
-        assert norm is not None
-        return self.spec.norm_offset + resident(norm, "weight").detach().to(self.dtype)
+        """The post-norm scale ``m = offset + weight`` in the patch dtype (once per run)."""
+        key = (self.index, "scale")
+        if key not in self.memo:
+            norm = self.s.out_norm
+            assert norm is not None
+            self.memo[key] = self.spec.norm_offset + resident(norm, "weight").detach().to(self.dtype)
+        return self.memo[key]
 
     def on_out_norm(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         """The post-norm scale's patch for kinds "scale", "beside" (``dv``) and "stable" (the
@@ -401,6 +418,7 @@ def patching(
     names: Mapping[int, str],
     dtype: torch.dtype,
     should_stop: StopFn | None = None,
+    memo: dict[Any, Tensor] | None = None,
 ) -> Iterator[dict[int, LayerPatch]]:
     """Build and apply each patched layer's patch during one reduced-context forward.
 
@@ -412,6 +430,8 @@ def patching(
             `OutputPlan` (``spec.outputs``, one for every layer of ``sites``).
         names: ``id(module) -> qualified name`` for naming patched parameters.
         dtype: compute dtype of the patch vectors.
+        memo: values that depend on the weights only (the post-norm scale, its conditioned
+            copy), kept across the forwards of one run; the weights must not change meanwhile.
 
     Yields:
         A dict filled during the forward: layer index -> `LayerPatch`.
@@ -420,7 +440,7 @@ def patching(
     with _hook_scope() as add:
         _stop_hooks(add, layers, should_stop)
         for i, s in sites.items():
-            lp = _LayerPatcher(i, s, targets[i], spec, names, dtype)
+            lp = _LayerPatcher(i, s, targets[i], spec, names, dtype, memo)
             results[i] = lp.result
             lp.register(add)
         yield results

@@ -273,7 +273,8 @@ def conditioned_scale(m: Tensor, floor: float = SCALE_FLOOR) -> Tensor:
     return torch.where(tau > 0, raised, torch.ones_like(m))
 
 
-def stable_down_target(g: Tensor, m: Tensor, c_rms: Tensor) -> tuple[Tensor, Tensor]:
+def stable_down_target(g: Tensor, m: Tensor, c_rms: Tensor, conditioned: Tensor | None = None
+                       ) -> tuple[Tensor, Tensor]:
     """The down-projection output of the conditioned stable update (App. B, done so that the
     remainder ``dm = g / N(h') - m`` stays bounded).
 
@@ -288,11 +289,13 @@ def stable_down_target(g: Tensor, m: Tensor, c_rms: Tensor) -> tuple[Tensor, Ten
         g: (d,) target branch output ``dv + m * N(h_down,C)``.
         m: (d,) post-norm scale.
         c_rms: () the fixed RMS value, ``RMS(h_down,C)`` (keeps the down patch small).
+        conditioned: ``conditioned_scale(m.double())`` when already computed (it depends on
+            the weights only: a run computes it once per layer).
 
     Returns:
         ``(h_target, hard_case)`` with ``h_target = c_rms * y`` in ``g``'s dtype.
     """
-    fit = solve_rms_fit(g, conditioned_scale(m.double()))
+    fit = solve_rms_fit(g, conditioned_scale(m.double()) if conditioned is None else conditioned)
     y = fit.y
     floor = torch.full_like(y, DIRECTION_FLOOR)
     y = torch.where(y.abs() < DIRECTION_FLOOR, torch.where(y < 0, -floor, floor), y)

@@ -109,3 +109,37 @@ def test_bound_flag_follows_the_entry_ratio(ill) -> None:  # type: ignore[no-unt
             worst = max(v["entry_ratio"] for v in s.patch_norms[layer].values())
             assert info["entry_ratio"] == worst
             assert info["unbounded"] == (worst > ENTRY_BOUND)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_patch_sizes_a_step_shows_are_measured_in_float64(dtype: torch.dtype) -> None:
+    """Each patch's norms and its ratios to its parameter (a post-norm scale counts as
+    ``offset + weight``) against float64 references computed here from the saved vectors and
+    the weights: the step's norms come from float32 block norms (no float64 copy of a matrix)
+    and must still agree to 1e-6."""
+    import math
+
+    loaded = tiny_loaded(gemma3_config(layers=2), dtype=dtype)
+    params = dict(loaded.model.named_parameters())
+    _, steps = _run(loaded, "stable", absorb="all", keep_patches=True)
+    offset = loaded.adapter.norm_offset
+    checked = 0
+    for step in steps:
+        assert step.patches is not None
+        for norms in step.patch_norms.values():
+            for name, n in norms.items():
+                p = params[name].detach().double()
+                p = p + offset if "norm" in name else p
+                if "frobenius" in n:
+                    u = torch.from_numpy(step.patches[f"{name}.u"]).double()
+                    v = torch.from_numpy(step.patches[f"{name}.v"]).double()
+                    size, top = float(u.norm() * v.norm()), float(u.abs().max() * v.abs().max())
+                    assert math.isclose(n["frobenius"], size, rel_tol=1e-6)
+                else:
+                    d = torch.from_numpy(step.patches[f"{name}.delta"]).double()
+                    size, top = float(d.norm()), float(d.abs().max())
+                    assert math.isclose(n["l2"], size, rel_tol=1e-6)
+                assert math.isclose(n["relative"], size / float(p.norm()), rel_tol=1e-6), name
+                assert math.isclose(n["entry_ratio"], top / float(p.abs().max()), rel_tol=1e-6)
+                checked += 1
+    assert checked >= 8 * len(steps)
