@@ -1,7 +1,7 @@
 """The device check, prepared for a session lent a GPU: one short script, bfloat16 and float32,
-20 and 200 new tokens, plain generate vs the comparison (without the control, and with it as
-a batch row of the patched pass or as a pass of its own: what `--control-row auto` assumes for
-GPUs, batched, is checked here).
+20 and 200 new tokens, plain generate vs the comparison: every row of a token in one pass (what
+auto does with absorb all) against a pass for each, with and without the control; the stable
+update; host syncs per token.
 
     PYTHONPATH=. python3 bench/gpu_check.py [--out DIR] [--tokens 20,200] [--repeats 3]
 
@@ -23,6 +23,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+
+#: (name, control, control_row, method): one pass per token (auto) against every row a pass of
+#: its own (separate), with and without the control; the stable update in one pass
+VARIANTS = (("no control, one pass", False, "auto", "direct"),
+            ("no control, separate", False, "separate", "direct"),
+            ("control, one pass", True, "auto", "direct"),
+            ("control, separate", True, "separate", "direct"),
+            ("stable, one pass", True, "auto", "stable"))
 
 
 class _Ids:
@@ -63,22 +72,22 @@ def main() -> None:
         loaded = LoadedModel(model, _Ids(), adapter_for_config(config), "gemma3-270m-random",
                              "config", DTYPES[dtype], device)
         for tokens in (int(t) for t in args.tokens.split(",")):
-            for control, row_kind in ((False, "auto"), (True, "batched"), (True, "separate")):
+            for name, control, row_kind, method in VARIANTS:
                 settings = Settings(max_new_tokens=tokens, absorb="all", control=control,
-                                    control_row=row_kind)
+                                    control_row=row_kind, method=method)
                 t0 = time.perf_counter()
                 r = measure_time(loaded, prompt, settings, args.repeats, lambda *a: None)
-                row = {"dtype": dtype, "tokens": tokens, "control": control,
-                       "control_row": row_kind if control else None,
+                row = {"dtype": dtype, "tokens": tokens, "variant": name, "control": control,
+                       "control_row": row_kind, "method": method,
                        "generate_s": r["generate_s"], "compare_s": r["compare_s"],
-                       "time_ratio": r["time_ratio"], "wall_s": time.perf_counter() - t0}
+                       "time_ratio": r["time_ratio"], "syncs_per_token": r["syncs_per_token"],
+                       "wall_s": time.perf_counter() - t0}
                 if device.type == "cuda":
                     row["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
                 rows.append(row)
-                print(f"{dtype:9} {tokens:4} tokens control="
-                      f"{row_kind if control else 'none':8}  generate "
-                      f"{r['generate_s']:.2f} s  compare {r['compare_s']:.2f} s  ratio "
-                      f"{r['time_ratio']:.2f}", flush=True)
+                print(f"{dtype:9} {tokens:4} tokens {name:22} generate {r['generate_s']:.2f} s  "
+                      f"compare {r['compare_s']:.2f} s  ratio {r['time_ratio']:.2f}  syncs/token "
+                      f"{r['syncs_per_token']:.1f}", flush=True)
         del model, loaded
         if device.type == "cuda":
             torch.cuda.empty_cache()
