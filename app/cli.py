@@ -122,13 +122,14 @@ def _compare_options(p: argparse.ArgumentParser) -> None:
                         "e.g. Gemma's scale, and the report flags shifts beyond the reachable bound)")
     p.add_argument("--keep-bos", action="store_true", help="with --absorb all, keep BOS at position 0")
     p.add_argument("--no-control", action="store_true",
-                   help="skip the unpatched model on the reduced sequence (the control): one "
-                        "forward less per token; the control's columns are then empty")
+                   help="skip the unpatched model on the reduced sequence (the control): a "
+                        "forward or a batch row less per token; the control's columns are then "
+                        "empty")
     p.add_argument("--control-row", default=CONTROL_ROWS[0], choices=CONTROL_ROWS,
-                   help="with --absorb all, run the control as a second batch row of the patched "
-                        "pass (batched) or as a pass of its own (separate); auto: batched "
-                        "wherever the model allows it (dense layers), measured faster (default "
-                        "auto)")
+                   help="with --absorb all, run the full context, the control and the patched "
+                        "sequence as batch rows of one pass per token (batched; auto does so "
+                        "wherever the model allows it: dense attention layers) or each as a "
+                        "pass of its own (separate) (default auto)")
     p.add_argument("--chat-template", action="store_true",
                    help="wrap context and query in the tokenizer's chat template")
     p.add_argument("--stop-at-eos", action="store_true", help="stop when the baseline ends its text")

@@ -35,6 +35,7 @@ from ctxpatch.core.forward import (
     extend_cache,
     last_logits,
     logit_gaps,
+    one_pass_fits,
     rolled_back,
     rows_logits,
 )
@@ -461,8 +462,10 @@ def one_pass(loaded: LoadedModel, prompt: Prompt, settings: Settings,
     the patching hooks patch the last row. One pass reads the weights once for every row (a
     GPU's decoding is bound by that; on a CPU a few rows cost about one). Not with the BOS kept
     (two reduced tokens), an image, MoE layers, Gemma 3n's streams, recurrent or state-space
-    layers (their states are not masked: checked on the cache), or ``control_row``
-    "separate", which keeps every row a pass of its own."""
+    layers (their states are not masked: checked on the cache), a cache whose copies for the
+    rows would add more than `core.forward.ROWS_CACHE_SHARE` of the weights' memory (checked
+    at the second token), or ``control_row`` "separate", which keeps every row a pass of its
+    own."""
     return (settings.absorb == "all" and not settings.keep_bos and not prompt.pixels
             and settings.control_row != "separate" and loaded.adapter.batch_rows
             and all(s.router is None for s in sites.values()))
@@ -569,8 +572,11 @@ def iter_token_patches(
                     return
                 t0 = time.perf_counter()
                 if step == 1 and plan.one_pass and attention_only(base_cache):
-                    rows = 3 if settings.control else 2  # full context, (control,) patched
-                    base_cache.batch_repeat_interleave(rows)
+                    more = 3 if settings.control else 2  # full context, (control,) patched
+                    growth = (len(full) + settings.max_new_tokens) / len(full)
+                    if one_pass_fits(base_cache, model, more, growth):
+                        rows = more
+                        base_cache.batch_repeat_interleave(rows)
                 if rows > 1:  # one pass: the current token as every row (absorb all)
                     red_ids, red_pos = reduced_sequence(prompt, history, "all")
                     early = {i for i, o in spec.outputs.items() if o.acting in ("stable", "fit")}

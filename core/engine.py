@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor, nn
+
 from ctxpatch.core.activations import (
     first_input,
     first_output,
@@ -53,7 +55,6 @@ from ctxpatch.core.patches import (
     scale_patch,
     stable_down_target,
 )
-from torch import Tensor, nn
 
 StopFn = Callable[[], bool]
 

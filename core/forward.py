@@ -136,6 +136,24 @@ def attention_only(cache: Any) -> bool:
     return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers)
 
 
+#: `one_pass_fits`: the most the rows' copies of the context's cache may add, as a share of
+#: the weights' memory (the memory goal of the comparison is 1.2x plain generation), or in
+#: bytes whatever the share (a few MB never matter)
+ROWS_CACHE_SHARE = 0.15
+ROWS_CACHE_BYTES = 64 << 20
+
+
+def one_pass_fits(cache: Any, model: Any, rows: int, growth: float) -> bool:
+    """Whether ``rows - 1`` more copies of ``cache`` (grown ``growth``-fold by the tokens still
+    to come) stay within `ROWS_CACHE_SHARE` of the model's parameter memory or within
+    `ROWS_CACHE_BYTES`; on long contexts with large caches the rows keep passes of their own."""
+    cache_bytes = sum(t.numel() * t.element_size() for layer in cache.layers
+                      for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                      if isinstance(t, Tensor))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return (rows - 1) * cache_bytes * growth <= max(ROWS_CACHE_SHARE * weights, ROWS_CACHE_BYTES)
+
+
 def rows_logits(model: Any, token: int, position: int, device: torch.device, cache: Any,
                 rows: int) -> torch.Tensor:
     """One token at ``position`` as ``rows`` batch rows of one cached forward: row 0 sees the

@@ -193,3 +193,21 @@ def test_one_pass_per_token_after_the_first(name: str) -> None:
             if control:
                 assert abs(a.control.linf - b.control.linf) <= SAME * scale
                 assert a.control.linf > 1e3 * EXACT * scale
+
+
+def test_a_cache_too_large_to_copy_keeps_the_passes(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Where the rows' copies of the context's cache would add more than ROWS_CACHE_SHARE of
+    the weights' memory and more than ROWS_CACHE_BYTES (long contexts), every row keeps a pass
+    of its own: the same results."""
+    import ctxpatch.core.forward as forward
+
+    loaded = _loaded("llama")
+    one, counts = _forwards(loaded)
+    assert counts == [2] + [1] * (TOKENS - 1)
+    monkeypatch.setattr(forward, "ROWS_CACHE_SHARE", 0.0)
+    monkeypatch.setattr(forward, "ROWS_CACHE_BYTES", 0)
+    kept, kept_counts = _forwards(loaded)
+    assert kept_counts == [2] * TOKENS  # (the control as a batch row of the patched pass)
+    for a, b in zip(one, kept, strict=True):
+        assert a.baseline_token == b.baseline_token
+        assert abs(a.patched.linf - b.patched.linf) <= SAME * b.logit_scale
