@@ -446,11 +446,15 @@ def batched_control(loaded: LoadedModel, settings: Settings, sites: dict[int, An
     and on a CPU in float32 once the head reads its weights once for both rows
     (`core.forward.one_read_head`).
     """
-    if not settings.control or settings.control_row == "separate":
-        return False
-    if settings.absorb != "all":
-        return False
-    return loaded.adapter.batch_rows and all(s.router is None for s in sites.values())
+    return settings.control and _rows_batchable(loaded, settings, sites)
+
+
+def _rows_batchable(loaded: LoadedModel, settings: Settings, sites: dict[int, Any]) -> bool:
+    """What `batched_control` and `one_pass` both need: absorb all (every reduced sequence the
+    same), hooks that can tell batch rows apart (dense patched layers, not Gemma 3n's streams),
+    and ``control_row`` not "separate"."""
+    return (settings.absorb == "all" and settings.control_row != "separate"
+            and loaded.adapter.batch_rows and all(s.router is None for s in sites.values()))
 
 
 def one_pass(loaded: LoadedModel, prompt: Prompt, settings: Settings,
@@ -466,9 +470,8 @@ def one_pass(loaded: LoadedModel, prompt: Prompt, settings: Settings,
     rows would add more than `core.forward.ROWS_CACHE_SHARE` of the weights' memory (checked
     at the second token), or ``control_row`` "separate", which keeps every row a pass of its
     own."""
-    return (settings.absorb == "all" and not settings.keep_bos and not prompt.pixels
-            and settings.control_row != "separate" and loaded.adapter.batch_rows
-            and all(s.router is None for s in sites.values()))
+    return (_rows_batchable(loaded, settings, sites) and not settings.keep_bos
+            and not prompt.pixels)
 
 
 def resolve_control_row(loaded: LoadedModel, settings: Settings) -> Settings:
@@ -565,6 +568,8 @@ def iter_token_patches(
     feed = full
     rows = 1  # batch rows of one pass per token (`one_pass`), from the second token
     memo: dict[Any, torch.Tensor] = {}  # what the hooks compute from the weights alone
+    # in one pass, the layers whose stable update or fit needs the post-norm branch early
+    early = {i for i, o in spec.outputs.items() if o.acting in ("stable", "fit")}
     try:
         with torch.inference_mode():
             for step in range(settings.max_new_tokens):
@@ -579,7 +584,6 @@ def iter_token_patches(
                         base_cache.batch_repeat_interleave(rows)
                 if rows > 1:  # one pass: the current token as every row (absorb all)
                     red_ids, red_pos = reduced_sequence(prompt, history, "all")
-                    early = {i for i, o in spec.outputs.items() if o.acting in ("stable", "fit")}
                     with recording(layers, sites, dtype, should_stop, rows, early) as targets, \
                             patching(layers, sites, targets, replace(spec, batch=rows), names,
                                      dtype, memo=memo) as lps:
