@@ -39,7 +39,7 @@ from ctxpatch.core.activations import (
 )
 from ctxpatch.core.adapters.base import LayerSites
 from ctxpatch.core.controllability import OutputPlan
-from ctxpatch.core.engine_moe import MoEPatcher, record_moe, shared_inputs
+from ctxpatch.core.engine_moe import MoEPatcher, name_expert_slices, record_moe, shared_inputs
 from ctxpatch.core.errors import Cancelled
 from ctxpatch.core.offload import plain_call, resident
 from ctxpatch.core.patches import (
@@ -91,6 +91,9 @@ class LayerPatch:
     hard_case: Any = False  # stable update: the secular equation had no interior root
     zero_s: Any = False  # MoE: the active routing weights summed to 0, no expert can absorb dv
     block_error: Any = float("nan")  # max |T - T_C| at the query after patching
+    #: MoE: placeholder key of a routed expert's patch -> (parameter name, expert index as a
+    #: 0-d tensor); empty once the forward is over (`engine_moe.name_expert_slices`)
+    expert_slots: dict[str, tuple[str, Tensor]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -445,3 +448,4 @@ def patching(
             results[i] = lp.result
             lp.register(add)
         yield results
+    name_expert_slices(results)  # (after a forward that finished)

@@ -33,7 +33,7 @@ layer patcher, which gives it the layer's sites, targets, spec and output kind, 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,7 +48,7 @@ from ctxpatch.core.activations import (
     replace_output,
 )
 from ctxpatch.core.adapters.base import ExpertsView, LayerSites, SharedExpert
-from ctxpatch.core.forward import written_
+from ctxpatch.core.forward import written_slices_
 from ctxpatch.core.offload import is_offloaded, plain_call, resident
 from ctxpatch.core.patches import Rank1, either, matrix_output_patch, rank1_input_patch
 
@@ -76,6 +76,26 @@ def experts_view(sites: LayerSites, module: nn.Module) -> ExpertsView:
 def _n_experts(module: nn.Module) -> int:
     n = getattr(module, "num_experts", None)
     return int(n) if n is not None else int(resident(module, "down_proj").shape[0])
+
+
+def _rows_times(w: Tensor, x: Tensor) -> Tensor:
+    """``w[j] @ x`` (or ``w[j] @ x[j]``) for a batch of matrices ``(k, out, in)``: ``(k, out)``."""
+    return torch.matmul(w, x.unsqueeze(-1)).squeeze(-1)
+
+
+def name_expert_slices(results: Mapping[int, LayerPatch]) -> None:
+    """Name the routed experts' patches of one forward ``param[e]`` (`MoEPatcher` kept them
+    under placeholders): every layer's expert indices cross to the host in one transfer."""
+    slots = [(base, e) for lp in results.values() for base, e in lp.expert_slots.values()]
+    if not slots:
+        return
+    device = slots[0][1].device
+    values = iter(torch.stack([e.to(device) for _, e in slots]).tolist())
+    for lp in results.values():
+        if lp.expert_slots:
+            names = {key: f"{base}[{next(values)}]" for key, (base, _) in lp.expert_slots.items()}
+            lp.patches = {names.get(key, key): p for key, p in lp.patches.items()}
+            lp.expert_slots.clear()
 
 
 def gate_up_name(module: nn.Module) -> str:
@@ -182,62 +202,74 @@ class MoEPatcher:
         """Patch every active expert at the query: its ``gate_up`` slice so the reduced input gives
         the full-context pre-activation, and (kind "experts": no shared expert or post-norm
         scale absorbs ``dv``) its ``down`` slice to add ``dv / S``. The slices are written in
-        place for one recomputation of the experts by their own forward and restored at once."""
+        place for one recomputation of the experts by their own forward and restored at once.
+
+        Nothing here reads the router's choice on the host: the active experts are an index
+        tensor, their slices are gathered and patched as a batch, and the patches are kept
+        under placeholder names that `name_expert_slices` turns into ``param[e]`` with one
+        transfer for the whole forward."""
         view = experts_view(self.s, module)
         x = args[0]
-        one = torch.ones((), dtype=self.dtype)
+        q = self.dtype
         if view.rows == "tokens":  # (x, top_k_index, top_k_weights), one row per token
-            index = [int(e) for e in args[1].reshape(-1, args[1].shape[-1])[-1]]
-            row_w = args[2].reshape(-1, args[2].shape[-1])[-1].to(self.dtype)
-            picked = dict(zip(index, row_w, strict=True))
-            active = list(picked)
-            inputs = {e: query_row(x, self.dtype) for e in active}
+            index = args[1].reshape(-1, args[1].shape[-1])[-1].long()
+            out_w = args[2].reshape(-1, args[2].shape[-1])[-1].to(q) \
+                if view.routing == "output" else None
+            x_e = query_row(x, q)  # (in,): the same row for every expert
+            live = None
         else:  # expert-major rows: every expert on every token, unselected ones read zeros
             n = _n_experts(module)
-            rows = x.reshape(n, -1, x.shape[-1])[:, -1].to(self.dtype)
-            active = [e for e in range(n) if bool(rows[e].any())]
-            inputs = {e: rows[e] for e in active}
-            picked = {}
-        out_w = {e: picked[e] if view.routing == "output" else one for e in active}
+            rows = x.reshape(n, -1, x.shape[-1])[:, -1].to(q)
+            selected = (rows != 0).any(-1)
+            k = min(int(getattr(self.s.router, "top_k", n) or n), n)
+            index = torch.topk(selected.to(torch.uint8), k, sorted=False).indices
+            live = selected.index_select(0, index)  # (False only where an input row is 0)
+            x_e = rows.index_select(0, index)  # (k, in)
+            out_w = None
+        index = index.to(x.device)
+        k = index.shape[0]
         use_input = "input" not in self.spec.disabled
         if self.s.experts_own_input:  # (one row per token: the experts' x is the patch's z)
             assert view.rows == "tokens", "experts_own_input needs one input row per token"
-            z, z_c = query_row(x, self.dtype), self.t.inputs.get(EXPERTS_Z)
+            z, z_c = query_row(x, q), self.t.inputs.get(EXPERTS_Z)
         else:
             z, z_c = self.z, self.t.inputs.get(ROUTER_Z)
         if z is None:  # no router hook ran before (it always does in these families)
-            z = query_row(x, self.dtype)
+            z = query_row(x, q)
         dv = None
         if self.kind == "experts":
-            s_sum = torch.stack(list(out_w.values())).sum() if active else 0 * one
-            if float(s_sum) == 0.0:
-                self.result.zero_s = True
-            else:
-                dv = self.shift() / (s_sum * self.s.branch_scale)
+            s_sum = out_w.sum() if out_w is not None else torch.full((), float(k), dtype=q,
+                                                                     device=x.device)
+            zero_s = s_sum == 0  # then no expert can absorb dv: no down patch acts
+            self.result.zero_s = either(self.result.zero_s, zero_s)
+            dv = self.shift() * (~zero_s) / (torch.where(zero_s, torch.ones_like(s_sum), s_sum)
+                                             * self.s.branch_scale)
         gu_name = gate_up_name(module)
-        gate_up_all = resident(module, gu_name).detach()
-        bias_all = resident(module, f"{gu_name}_bias").detach() \
-            if getattr(module, "has_bias", False) else None
-        pairs: list[tuple[str, int, Tensor]] = []
-        for e in active:
-            w_e = gate_up_all[e].to(self.dtype)
-            w_e = w_e.T if view.transposed else w_e  # (out, in)
-            x_e = inputs[e]
-            pre = w_e @ x_e + (bias_all[e].to(self.dtype) if bias_all is not None else 0)
-            if use_input and z_c is not None:
-                r_in = self._expert_patch(module, gu_name, e, pairs, view,
-                                          rank1_input_patch(w_e @ z_c, w_e @ z, z), "zero_z")
-                pre = pre + r_in.u * (r_in.a @ x_e)
-            if dv is not None:
-                h = _activation(module, pre)
-                self._expert_patch(module, "down_proj", e, pairs, view,
-                                   matrix_output_patch(dv, h), "zero_h")
+        w = resident(module, gu_name).detach().index_select(0, index).to(q)
+        w = w.transpose(-1, -2) if view.transposed else w  # (k, out, in)
+        pre = _rows_times(w, x_e)
+        if getattr(module, "has_bias", False):
+            pre = pre + resident(module, f"{gu_name}_bias").detach().index_select(0, index).to(q)
+        pairs: list[tuple[str, Tensor]] = []
+        if use_input and z_c is not None:
+            r_in = rank1_input_patch(_rows_times(w, z_c), _rows_times(w, z), z)
+            if live is not None:
+                r_in = Rank1(r_in.u * live[:, None], r_in.a, r_in.void)
+            r_in = self._expert_patches(module, gu_name, index, pairs, view, r_in, "zero_z")
+            pre = pre + r_in.u * (x_e @ r_in.a).reshape(-1, 1)
+        if dv is not None:
+            h = _activation(module, pre)
+            r_out = matrix_output_patch(dv, h)  # (a batch: one row of h per expert)
+            if live is not None:  # (a row of zeros: no expert there, no failed condition)
+                r_out = Rank1(r_out.u, r_out.a * live[:, None],
+                              None if r_out.void is None else r_out.void & live)
+            self._expert_patches(module, "down_proj", index, pairs, view, r_out, "zero_h")
         if not pairs:
             return None
-        return self._recompute(module, view, args, output, pairs)
+        return self._recompute(module, view, args, output, index, pairs)
 
     def _recompute(self, module: nn.Module, view: ExpertsView, args: tuple[Any, ...],
-                   output: Any, pairs: list[tuple[str, int, Tensor]]) -> Any:
+                   output: Any, index: Tensor, pairs: list[tuple[str, Tensor]]) -> Any:
         """The experts' own forward with the patched slices (at the query only for scope
         "query"); the other rows keep the original output."""
         last_only = self.spec.last_only
@@ -249,18 +281,17 @@ class MoEPatcher:
             inputs = (x.reshape(_n_experts(module), -1, x.shape[-1])[:, -1],)
         else:
             inputs = (x,)
-        if any(is_offloaded(module, name) for name, _, _ in pairs):
+        if any(is_offloaded(module, name) for name, _ in pairs):
             # offloaded experts: patched copies of the stacked tensors for this one call
             params = {}
-            for name in dict.fromkeys(n for n, _, _ in pairs):
+            for name, deltas in pairs:
                 full = resident(module, name).detach().clone()
-                for n, e, d in pairs:
-                    if n == name:
-                        full[e] = (full[e].to(d.dtype) + d).to(full.dtype)
-                params[name] = full
+                slices = full.index_select(0, index)
+                params[name] = full.index_copy_(
+                    0, index, (slices.to(deltas.dtype) + deltas).to(full.dtype))
             patched = plain_call(module, params, *inputs)
         else:  # resident: the slices are written in place and restored at once
-            with written_([(getattr(module, n)[e], d) for n, e, d in pairs]):
+            with written_slices_([(getattr(module, n), index, d) for n, d in pairs]):
                 patched = plain_call(module, {}, *inputs)
         if view.rows == "tokens" or not last_only:
             return last_rows(output, patched, last_only)
@@ -269,17 +300,27 @@ class MoEPatcher:
         out.reshape(n, -1, out.shape[-1])[:, -1] = patched.reshape(n, -1)
         return replace_output(output, out)
 
-    def _expert_patch(self, module: nn.Module, param: str, e: int,
-                      pairs: list[tuple[str, int, Tensor]], view: ExpertsView, r: Rank1,
-                      zero_flag: str) -> Rank1:
-        """Keep expert ``e``'s rank-1 patch of ``param`` (noting a failed condition: then
-        ``a = 0``); return it rounded as kept, in (out, in) orientation."""
+    def _expert_patches(self, module: nn.Module, param: str, index: Tensor,
+                        pairs: list[tuple[str, Tensor]], view: ExpertsView, r: Rank1,
+                        zero_flag: str) -> Rank1:
+        """Keep the active experts' rank-1 patches of ``param``, a batch (row ``j`` of ``u``
+        or ``a`` belongs to expert ``index[j]``; the other vector may be shared), noting a
+        failed condition (then that ``a`` is 0); return them rounded as kept, in (out, in)
+        orientation. Each is named ``param[e]`` once the forward is over."""
         if r.void is not None:
-            setattr(self.result, zero_flag, either(getattr(self.result, zero_flag), r.void))
+            setattr(self.result, zero_flag,
+                    either(getattr(self.result, zero_flag), r.void.any()))
         r = self.rank1(r)
-        stored = Rank1(r.a, r.u) if view.transposed else r  # u along the stored shape[0]
-        self.result.patches[f"{self.name(module, param)}[{e}]"] = stored
-        pairs.append((param, e, torch.outer(stored.u, stored.a)))
+        k = index.shape[0]
+        u, a = r.u.expand(k, -1), r.a.expand(k, -1)
+        base = self.name(module, param)
+        for j in range(k):
+            stored = Rank1(a[j], u[j]) if view.transposed else Rank1(u[j], a[j])
+            key = f"{base}[?{len(self.result.expert_slots)}]"  # (`name_expert_slices`)
+            self.result.expert_slots[key] = (base, index[j])
+            self.result.patches[key] = stored
+        outer = u[:, :, None] * a[:, None, :]  # (k, out, in)
+        pairs.append((param, outer.transpose(-1, -2) if view.transposed else outer))
         return r
 
     # -- shared experts ---------------------------------------------------------------------

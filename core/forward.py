@@ -30,6 +30,25 @@ def written_(pairs: Sequence[tuple[Tensor, Tensor]]) -> Iterator[None]:
                 target.copy_(original)
 
 
+@contextmanager
+def written_slices_(items: Sequence[tuple[Tensor, Tensor, Tensor]]) -> Iterator[None]:
+    """For each ``(param, index, deltas)``: add ``deltas[j]`` to the slice ``param[index[j]]`` in
+    place, rounded to the parameter's dtype (the indices of one item distinct; no host sync);
+    restore the exact originals in ``finally``."""
+    saved: list[tuple[Tensor, Tensor, Tensor]] = []
+    try:
+        with torch.no_grad():
+            for param, index, deltas in items:
+                slices = param.index_select(0, index)  # (a copy)
+                saved.append((param, index, slices))
+                param.index_copy_(0, index, (slices.to(deltas.dtype) + deltas).to(param.dtype))
+        yield
+    finally:
+        with torch.no_grad():
+            for param, index, slices in reversed(saved):
+                param.index_copy_(0, index, slices)
+
+
 def fresh_states(cache: Any) -> None:
     """Give every cache layer fresh copies of the states a forward updates in place: the conv and
     recurrent states of linear-attention and state-space layers (`copy_` into tensors held in

@@ -70,10 +70,13 @@ def either(flag: Any, more: Any) -> Any:
 
 
 def _along(u: Tensor, x: Tensor) -> Rank1:
-    """``Rank1(u, x / |x|^2)``; with ``x = 0``, ``a = 0`` and ``void`` set (no host sync)."""
-    xx = torch.dot(x, x)
+    """``Rank1(u, x / |x|^2)``; with ``x = 0``, ``a = 0`` and ``void`` set (no host sync). For
+    ``x`` a batch of rows ``(k, in)``, a batch of patches: row ``j`` of ``a`` along ``x[j]``,
+    ``void`` per row."""
+    xx = torch.dot(x, x) if x.dim() == 1 else (x * x).sum(-1)
     void = xx <= 0
-    return Rank1(u=u, a=x / torch.where(void, torch.ones_like(xx), xx), void=void)
+    a = x / torch.where(void, torch.ones_like(xx), xx).unsqueeze(-1)
+    return Rank1(u=u, a=a, void=void)
 
 
 def rank1_input_patch(y_target: Tensor, y: Tensor, z: Tensor) -> Rank1:

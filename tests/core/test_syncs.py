@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import gemma3_config, llama_config, tiny_loaded
+from tiny import TINY, gemma3_config, llama_config, tiny_loaded
+from transformers import AutoConfig
 
 from ctxpatch.core.bench import counting_host_syncs, syncs_per_token
 from ctxpatch.core.compare import Settings, iter_token_patches
@@ -30,6 +31,30 @@ def test_syncs_per_token_are_few_and_flat_in_depth(family: str, options: dict) -
     shallow, deep = (_per_token(build(layers=n), **options) for n in (2, 12))
     assert deep == shallow, (shallow, deep)
     assert deep <= 8, deep
+
+
+def _moe_config(name: str, layers: int):  # type: ignore[no-untyped-def]
+    """A tiny MoE config of `TINY` with ``layers`` layers (its per-layer lists repeated)."""
+    model_type, overrides = TINY[name]
+    overrides = dict(overrides, num_hidden_layers=layers)
+    if "layer_types" in overrides:
+        overrides["layer_types"] = overrides["layer_types"][:2] * (layers // 2)
+    if "moe_layers" in overrides:
+        overrides["moe_layers"] = list(range(1, layers, 2))
+    return AutoConfig.for_model(model_type, vocab_size=320, **overrides)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss", "deepseek_v3", "llama4_text",
+                                    "gemma4_text_moe"])
+@pytest.mark.parametrize("options", [{"absorb": "all"}, {"absorb": "context", "scope": "query"}])
+def test_moe_syncs_per_token_are_few_and_flat_in_depth(family: str, options: dict) -> None:  # type: ignore[type-arg]
+    """The routed experts are patched from index tensors: the active experts' names cross to the
+    host once per forward, not per layer. The only per-token difference left between depths is
+    the parameters' norms of expert slices first met at a token (one transfer when it happens:
+    which experts a token meets depends on the model, so less than one per token)."""
+    shallow, deep = (_per_token(_moe_config(family, n), **options) for n in (4, 8))
+    assert deep < shallow + 1, (shallow, deep)
+    assert max(shallow, deep) <= 8, (shallow, deep)
 
 
 def test_the_counter_counts_and_restores() -> None:
