@@ -567,9 +567,7 @@ def iter_token_patches(
     history: list[int] = []
     feed = full
     rows = 1  # batch rows of one pass per token (`one_pass`), from the second token
-    memo: dict[Any, torch.Tensor] = {}  # what the hooks compute from the weights alone
-    # in one pass, the layers whose stable update or fit needs the post-norm branch early
-    early = {i for i, o in spec.outputs.items() if o.acting in ("stable", "fit")}
+    memo: dict[Any, Any] = {}  # what the hooks compute from the weights alone
     try:
         with torch.inference_mode():
             for step in range(settings.max_new_tokens):
@@ -584,9 +582,10 @@ def iter_token_patches(
                         base_cache.batch_repeat_interleave(rows)
                 if rows > 1:  # one pass: the current token as every row (absorb all)
                     red_ids, red_pos = reduced_sequence(prompt, history, "all")
-                    with recording(layers, sites, dtype, should_stop, rows, early) as targets, \
-                            patching(layers, sites, targets, replace(spec, batch=rows), names,
-                                     dtype, memo=memo) as lps:
+                    with recording(layers, sites, dtype, should_stop, rows) as targets, \
+                            patching(layers, sites, targets,
+                                     replace(spec, batch=rows, same_pass=True), names, dtype,
+                                     memo=memo) as lps:
                         out = rows_logits(model, red_ids[0], red_pos[0], device, base_cache, rows)
                     logits = (out[0], out[-1], out[1] if settings.control else None)
                     # (all of the one pass counts as the baseline's time)

@@ -20,7 +20,7 @@ accelerate are read through `core.offload`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +46,6 @@ from ctxpatch.core.patches import (
     Delta,
     Patch,
     Rank1,
-    conditioned_scale,
     either,
     fit_down_target,
     matrix_output_patch,
@@ -54,6 +53,7 @@ from ctxpatch.core.patches import (
     rms_normalize,
     scale_patch,
     stable_down_target,
+    stable_poles,
 )
 
 StopFn = Callable[[], bool]
@@ -116,6 +116,10 @@ class PatchSpec:
         outputs: each patched layer's `OutputPlan`, by layer index: what absorbs ``dv``
             there (`core.controllability.output_plan` of the layer's sites, ``control``,
             ``method`` and ``disabled``, decided once when the run is planned).
+        same_pass: `recording`'s hooks run in the same forward (batch row 0, `core.compare`'s
+            one pass): a post-norm's full-context output is known only once the post-norm has
+            run, so the stable update and the fit make the down matrix's patch there (from its
+            input and output kept at the down matrix) instead of at the down matrix.
     """
 
     method: str = "direct"
@@ -126,6 +130,7 @@ class PatchSpec:
     stored_dtype: torch.dtype | None = None
     batch: int = 1
     outputs: Mapping[int, OutputPlan] = field(default_factory=dict)
+    same_pass: bool = False
 
 
 def compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
@@ -179,7 +184,6 @@ def recording(
     dtype: torch.dtype,
     should_stop: StopFn | None = None,
     rows: int = 1,
-    branch_at_down: Collection[int] = (),
 ) -> Iterator[dict[int, LayerTargets]]:
     """Record the targets of the patched layers during one full-context forward.
 
@@ -189,10 +193,7 @@ def recording(
         dtype: compute dtype of the stored targets.
         rows: with more than 1, the forward runs that many batch rows and batch row 0 is the
             full context's (the others are patched by `patching`, whose hooks, registered
-            after these, read the targets in the same module calls).
-        branch_at_down: layers whose post-norm branch is computed at the down matrix, where
-            the stable update and the fit need it (with ``rows`` > 1 the post-norm runs after
-            the down matrix's patch is made).
+            after these, read the targets in the same module calls; ``PatchSpec.same_pass``).
 
     Yields:
         A dict filled during the forward: layer index -> `LayerTargets` at the last position.
@@ -220,14 +221,9 @@ def recording(
 
                 add(module.register_forward_hook(keep_in))
 
-            early = s.out_norm if i in branch_at_down else None
-
-            def keep_down(m: nn.Module, a: Any, out: Any, t: LayerTargets = t,
-                          norm: nn.Module | None = early) -> None:
+            def keep_down(m: nn.Module, a: Any, out: Any, t: LayerTargets = t) -> None:
                 t.down = query(first_output(out))
-                t.branch = t.down
-                if norm is not None:  # (`keep_branch` may come too late)
-                    t.branch = query(plain_call(norm, {}, first_output(out)))
+                t.branch = t.down  # (a post-norm's output replaces it: `keep_branch`)
 
             if s.out_matrix is not None:
                 add(s.out_matrix.register_forward_hook(keep_down))
@@ -266,16 +262,17 @@ class _LayerPatcher:
         spec: PatchSpec,
         names: Mapping[int, str],
         dtype: torch.dtype,
-        memo: dict[Any, Tensor] | None = None,
+        memo: dict[Any, Any] | None = None,
     ) -> None:
         self.s, self.t, self.spec, self.names, self.dtype = sites, target, spec, names, dtype
         self.index = index
-        self.memo: dict[Any, Tensor] = {} if memo is None else memo  # (weights-only values)
+        self.memo: dict[Any, Any] = {} if memo is None else memo  # (weights-only values)
         self.kind = spec.outputs[index].acting  # what absorbs dv here (the run's plan)
         self.result = LayerPatch(layer=index)
         self.v_parts: list[Tensor] = []
         self.g: Tensor | None = None  # stable: target branch output
         self.shifted = False  # dv was measured (`shift`)
+        self.down_io: tuple[Tensor, Tensor] | None = None  # same pass: the down matrix's x, y
         self.moe = None if sites.router is None or sites.experts is None else MoEPatcher(
             sites, target, spec, self.kind, self.result, self.name, self.rank1, self.shift, dtype)
 
@@ -325,14 +322,22 @@ class _LayerPatcher:
         return hook
 
     def on_out_matrix(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        """The output matrix's patch for kinds "bias", "matrix", "fit" and "stable"."""
+        """The output matrix's patch for kinds "bias", "matrix", "fit" and "stable" (the last two
+        at the post-norm in the same pass as the full context's, `PatchSpec.same_pass`)."""
         x, y = args[0], first_output(output)
+        if self.kind in ("stable", "fit") and self.spec.same_pass:
+            self.down_io = (x, y)
+            return None
+        return replace_output(output, self._out_matrix_patch(module, x, y))
+
+    def _out_matrix_patch(self, module: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        """The output matrix's patched output ``y`` on its input ``x``."""
         spec = self.spec
         if self.kind == "bias":
             d = self._delta(self.shift() / self.s.branch_scale)
             self.result.patches[self.name(module, "bias")] = d
             out = (y.to(d.delta.dtype) + d.delta).to(y.dtype)
-            return replace_output(output, keep_patched_rows(y, out, spec.last_only, spec.batch))
+            return keep_patched_rows(y, out, spec.last_only, spec.batch)
         if self.kind == "matrix":
             shift = self.shift() / self.s.branch_scale
         else:
@@ -345,9 +350,9 @@ class _LayerPatcher:
             if self.kind == "fit":
                 h_target, hard = fit_down_target(self.g, m, c_rms)
             else:
-                key = (self.index, "conditioned")
+                key = (self.index, "poles")
                 if key not in self.memo:
-                    self.memo[key] = conditioned_scale(m.double())
+                    self.memo[key] = stable_poles(m)
                 h_target, hard = stable_down_target(self.g, m, c_rms, self.memo[key])
             self.result.hard_case = hard
             shift = h_target - query_row(y, self.dtype)
@@ -355,7 +360,7 @@ class _LayerPatcher:
         self.result.zero_h = either(self.result.zero_h, r.void)  # (then a = 0: no change)
         r = self.rank1(r)
         self.result.patches[self.name(module, "weight")] = r
-        return replace_output(output, rank1_action(x, y, r, spec.last_only, spec.batch))
+        return rank1_action(x, y, r, spec.last_only, spec.batch)
 
     def _scale(self) -> Tensor:
         """The post-norm scale ``m = offset + weight`` in the patch dtype (once per run)."""
@@ -368,8 +373,20 @@ class _LayerPatcher:
 
     def on_out_norm(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         """The post-norm scale's patch for kinds "scale", "beside" (``dv``) and "stable" (the
-        remainder of the down matrix's fit)."""
+        remainder of the down matrix's fit); in the same pass, first the down matrix's patch
+        of kinds "stable" and "fit" (`PatchSpec.same_pass`)."""
         h = args[0]
+        if self.down_io is not None:
+            x, y = self.down_io
+            if h is not y and not (h.shape == y.shape and torch.equal(h, y.to(h.device))):
+                raise NotImplementedError(
+                    f"{type(module).__name__} does not read the down matrix's output itself: "
+                    "the stable update and the fit need separate passes (control_row "
+                    "'separate')")
+            assert self.s.out_matrix is not None
+            h = self._out_matrix_patch(self.s.out_matrix, x, y)
+            if self.kind == "fit":  # (the scale stays frozen)
+                return replace_output(output, self._renormed(module, {}, h, output))
         n = rms_normalize(query_row(h, self.dtype), _norm_eps(module))
         if self.kind == "stable":
             assert self.g is not None, "the down matrix's hook runs before the post-norm's"
@@ -382,10 +399,14 @@ class _LayerPatcher:
         self.result.div_by_one = self.result.div_by_one + zeros
         self.result.patches[self.name(module, "weight")] = patch
         weight = resident(module, "weight").detach().to(self.dtype) + dm
-        patched = plain_call(module, {"weight": weight}, h)
+        return replace_output(output, self._renormed(module, {"weight": weight}, h, output))
+
+    def _renormed(self, module: nn.Module, params: dict[str, Tensor], h: Tensor, output: Any
+                  ) -> Tensor:
+        """The post-norm's output on ``h`` with ``params``, where the patch acts."""
+        patched = plain_call(module, params, h)
         y = first_output(output)
-        patched = keep_patched_rows(y, patched.to(y.dtype), self.spec.last_only, self.spec.batch)
-        return replace_output(output, patched)
+        return keep_patched_rows(y, patched.to(y.dtype), self.spec.last_only, self.spec.batch)
 
     def on_block(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not self.shifted and self.v_parts:  # output frozen: still measure |dv|
@@ -407,7 +428,8 @@ class _LayerPatcher:
             add(s.out_matrix.register_forward_hook(self.on_out_matrix))
         if self.moe is not None:
             self.moe.register(add)  # the router, the routed and the shared experts
-        if self.kind in ("scale", "stable", "beside"):
+        if self.kind in ("scale", "stable", "beside") or (self.kind == "fit"
+                                                           and self.spec.same_pass):
             assert s.out_norm is not None
             add(s.out_norm.register_forward_hook(self.on_out_norm))
         add(s.layer.register_forward_hook(self.on_block))
@@ -422,7 +444,7 @@ def patching(
     names: Mapping[int, str],
     dtype: torch.dtype,
     should_stop: StopFn | None = None,
-    memo: dict[Any, Tensor] | None = None,
+    memo: dict[Any, Any] | None = None,
 ) -> Iterator[dict[int, LayerPatch]]:
     """Build and apply each patched layer's patch during one reduced-context forward.
 
@@ -434,8 +456,9 @@ def patching(
             `OutputPlan` (``spec.outputs``, one for every layer of ``sites``).
         names: ``id(module) -> qualified name`` for naming patched parameters.
         dtype: compute dtype of the patch vectors.
-        memo: values that depend on the weights only (the post-norm scale, its conditioned
-            copy), kept across the forwards of one run; the weights must not change meanwhile.
+        memo: values that depend on the weights only (the post-norm scale, the `Poles` of its
+            conditioned copy), kept across the forwards of one run; the weights must not change
+            meanwhile.
 
     Yields:
         A dict filled during the forward: layer index -> `LayerPatch`.

@@ -195,6 +195,47 @@ def test_one_pass_per_token_after_the_first(name: str) -> None:
                 assert a.control.linf > 1e3 * EXACT * scale
 
 
+def _post_norm_families() -> list[str]:
+    """The tiny families with a down matrix under a post-norm in some layer (the stable update
+    and the fit patch both)."""
+    out = []
+    for name in sorted(["gemma3", *TINY]):
+        adapter = REGISTRY.get(_config(name).model_type)
+        if adapter is not None and "scale" in adapter.output_controls \
+                and "matrix" in adapter.output_controls:
+            out.append(name)
+    return out
+
+
+@pytest.mark.parametrize("name", _post_norm_families())
+@pytest.mark.parametrize("method,control", [("stable", "scale"), ("direct", "matrix")])
+def test_one_pass_makes_the_down_patch_at_the_post_norm(name: str, method: str,
+                                                         control: str) -> None:
+    """In one pass the full context's post-norm output is known only once the post-norm has run:
+    the stable update and the fit (output control "matrix" under a post-norm) make the down
+    matrix's patch there. Their patched logits and patches equal the separate passes' (float64),
+    and the stable update's equal the full context's (the fit leaves a residual: the scale is
+    frozen, PAPER.md section 7)."""
+    loaded = _loaded(name)
+    sites = [loaded.adapter.sites(layer) for layer in loaded.adapter.layers(loaded.model)]
+    if not any(s.out_matrix is not None and s.out_norm is not None for s in sites):
+        pytest.skip("no down matrix under a post-norm")
+    kw = {"method": method, "output_control": control, "control": False}
+    one, counts = _forwards(loaded, **kw)
+    separate, _ = _forwards(loaded, control_row="separate", **kw)
+    if counts[1:] != [1] * (TOKENS - 1):
+        pytest.skip("no one pass for this family")
+    for a, b in zip(one, separate, strict=True):
+        scale = b.logit_scale
+        assert a.baseline_token == b.baseline_token
+        assert method != "stable" or a.patched.linf <= EXACT * scale
+        assert abs(a.patched.linf - b.patched.linf) <= SAME * scale
+    a, b = _steps(loaded, **kw)[1], _steps(loaded, control_row="separate", **kw)[1]
+    assert a.patches is not None and b.patches is not None and a.patches.keys() == b.patches.keys()
+    for key, value in a.patches.items():
+        np.testing.assert_allclose(value, b.patches[key], rtol=1e-7, atol=1e-9)
+
+
 def test_a_cache_too_large_to_copy_keeps_the_passes(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Where the rows' copies of the context's cache would add more than ROWS_CACHE_SHARE of
     the weights' memory and more than ROWS_CACHE_BYTES (long contexts), every row keeps a pass

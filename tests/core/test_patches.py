@@ -20,6 +20,10 @@ from ctxpatch.core.patches import (
 
 
 
+#: the secular solve on the host (NumPy, CPU tensors' default) and as on an accelerator (torch)
+HOST_OR_DEVICE = pytest.mark.parametrize("on_host", [True, False], ids=["host", "device"])
+
+
 @pytest.fixture(autouse=True)
 def _float64_by_default():  # type: ignore[no-untyped-def]
     """This module's tensors are float64 by default; restored after each test (set at import,
@@ -79,22 +83,24 @@ def test_scale_patch_divides_by_one_at_zeros() -> None:
     torch.testing.assert_close(dm, torch.tensor([0.5, 3.0, -0.5]))
 
 
-def test_rms_fit_recovers_a_reachable_target() -> None:
+@HOST_OR_DEVICE
+def test_rms_fit_recovers_a_reachable_target(on_host: bool) -> None:
     g = torch.Generator().manual_seed(3)
     m = torch.randn(64, generator=g).abs() + 0.2
     y_true = _sphere(torch.randn(64, generator=g))
-    fit = solve_rms_fit(m * y_true, m)
+    fit = solve_rms_fit(m * y_true, m, on_host=on_host)
     assert not fit.hard_case
     torch.testing.assert_close(fit.y, y_true, rtol=1e-9, atol=1e-9)
     assert abs(fit.mu) < 1e-9
 
 
-def test_rms_fit_is_the_global_minimiser() -> None:
+@HOST_OR_DEVICE
+def test_rms_fit_is_the_global_minimiser(on_host: bool) -> None:
     g = torch.Generator().manual_seed(4)
     for trial in range(20):
         m = torch.randn(32, generator=g) * (0.1 + trial / 10)
         target = torch.randn(32, generator=g) * 3
-        fit = solve_rms_fit(target, m)
+        fit = solve_rms_fit(target, m, on_host=on_host)
         assert math.isclose(float(fit.y.pow(2).mean()), 1.0, rel_tol=1e-9)
         assert fit.mu < float((m * m).min())
         best = _objective(m, fit.y, target)
@@ -130,7 +136,8 @@ def _sphere_error(g: torch.Tensor, m: torch.Tensor, mu: float) -> float:
     return abs(float(y.pow(2).mean()) - 1)
 
 
-def test_rms_fit_matches_bisection_on_a_sweep() -> None:
+@HOST_OR_DEVICE
+def test_rms_fit_matches_bisection_on_a_sweep(on_host: bool) -> None:
     """The secular solve lands on the sphere (within 1e-7, or as well as 200 bisection steps) over widths 4 to
     640, scales 1e-3 to 1e2 of m and 1e-4 to 1e4 of g, zeros in m, all-positive m, and near-hard
     cases: the minimising coordinate's g almost zero, with the other coordinates' F at the pole
@@ -161,7 +168,7 @@ def test_rms_fit_matches_bisection_on_a_sweep() -> None:
         ulps = trial % 11 == 0 and bool(m[k] != 0)
         if ulps:  # (the root is then within float64's resolution of the pole: finite is all)
             g[k] = 2e-16
-        fit = solve_rms_fit(g, m)
+        fit = solve_rms_fit(g, m, on_host=on_host)
         if fit.hard_case:
             continue
         checked += 1
@@ -203,13 +210,14 @@ def _random_secular_cases() -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         yield kind, g, m
 
 
-def test_rms_fit_agrees_with_bisection_on_random_cases() -> None:
+@HOST_OR_DEVICE
+def test_rms_fit_agrees_with_bisection_on_random_cases(on_host: bool) -> None:
     """The fixed-step safeguarded solve against 200 float64 bisection steps: on the sphere as
     well as the bisection (the sweep's accuracy), mu on its side of the root (F <= 1), and the
     same distance to the pole: to 1e-12 where the root is away from the pole, to 1e-6 where F is
     nearly flat in mu near the root (near-hard, no pole). Fails with 4 steps instead of 6."""
     for trial, (kind, g, m) in enumerate(_random_secular_cases()):
-        fit = solve_rms_fit(g, m)
+        fit = solve_rms_fit(g, m, on_host=on_host)
         assert not fit.hard_case, trial
         pole = float((m * m).min())
         mu, reference = float(fit.mu), _bisection_root(g, m)
@@ -237,11 +245,12 @@ def test_rms_fit_makes_no_host_sync() -> None:
     assert not fits[0].hard_case and fits[1].hard_case
 
 
-def test_rms_fit_hard_case() -> None:
+@HOST_OR_DEVICE
+def test_rms_fit_hard_case(on_host: bool) -> None:
     # m_0 = 0 attains min m^2 and g_0 m_0 = 0; the other coordinates are small, so F stays < 1.
     m = torch.tensor([0.0, 1.0, 2.0, 3.0])
     target = torch.tensor([5.0, 0.1, 0.1, 0.1])
-    fit = solve_rms_fit(target, m)
+    fit = solve_rms_fit(target, m, on_host=on_host)
     assert fit.hard_case
     assert fit.mu == 0.0
     assert torch.isfinite(fit.y).all()
