@@ -49,6 +49,7 @@ from ctxpatch.core.patches import (
     either,
     fit_down_target,
     matrix_output_patch,
+    poles,
     rank1_input_patch,
     rms_normalize,
     scale_patch,
@@ -347,13 +348,11 @@ class _LayerPatcher:
             m = self._scale()
             self.g = self.shift() + self.t.branch
             c_rms = self.t.down.pow(2).mean().sqrt()
-            if self.kind == "fit":
-                h_target, hard = fit_down_target(self.g, m, c_rms)
-            else:
-                key = (self.index, "poles")
-                if key not in self.memo:
-                    self.memo[key] = stable_poles(m)
-                h_target, hard = stable_down_target(self.g, m, c_rms, self.memo[key])
+            key = (self.index, self.kind)  # (the poles of m, or of its conditioned copy)
+            if key not in self.memo:
+                self.memo[key] = poles(m) if self.kind == "fit" else stable_poles(m)
+            target = fit_down_target if self.kind == "fit" else stable_down_target
+            h_target, hard = target(self.g, m, c_rms, self.memo[key])
             self.result.hard_case = hard
             shift = h_target - query_row(y, self.dtype)
         r = matrix_output_patch(shift, query_row(x, self.dtype))
@@ -362,13 +361,19 @@ class _LayerPatcher:
         self.result.patches[self.name(module, "weight")] = r
         return rank1_action(x, y, r, spec.last_only, spec.batch)
 
+    def _norm_weight(self) -> Tensor:
+        """The post-norm's weight in the patch dtype (once per run)."""
+        key = (self.index, "norm weight")
+        if key not in self.memo:
+            assert self.s.out_norm is not None
+            self.memo[key] = resident(self.s.out_norm, "weight").detach().to(self.dtype)
+        return self.memo[key]
+
     def _scale(self) -> Tensor:
         """The post-norm scale ``m = offset + weight`` in the patch dtype (once per run)."""
         key = (self.index, "scale")
         if key not in self.memo:
-            norm = self.s.out_norm
-            assert norm is not None
-            self.memo[key] = self.spec.norm_offset + resident(norm, "weight").detach().to(self.dtype)
+            self.memo[key] = self.spec.norm_offset + self._norm_weight()
         return self.memo[key]
 
     def on_out_norm(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
@@ -398,7 +403,7 @@ class _LayerPatcher:
         dm = patch.delta
         self.result.div_by_one = self.result.div_by_one + zeros
         self.result.patches[self.name(module, "weight")] = patch
-        weight = resident(module, "weight").detach().to(self.dtype) + dm
+        weight = self._norm_weight() + dm
         return replace_output(output, self._renormed(module, {"weight": weight}, h, output))
 
     def _renormed(self, module: nn.Module, params: dict[str, Tensor], h: Tensor, output: Any

@@ -334,7 +334,7 @@ def solve_rms_fit(g: Tensor, m: Tensor, steps: int = 6, on_host: bool | None = N
         return RmsFit(y=y, mu=mu, hard_case=hard)
     with np.errstate(all="ignore"):  # (IEEE results wanted: inf, NaN)
         y, mu, hard = _secular(p, _host64(g), steps)
-    return RmsFit(y=torch.from_numpy(np.asarray(y)).to(g.device),
+    return RmsFit(y=_from_host(y, torch.empty((), dtype=torch.float64, device=g.device)),
                   mu=torch.tensor(float(mu), dtype=torch.float64, device=g.device),
                   hard_case=torch.tensor(bool(hard), device=g.device))
 
@@ -344,10 +344,24 @@ def _on_host(x: Tensor, on_host: bool | None) -> bool:
 
 
 def _host64(x: Tensor) -> np.ndarray:
-    return x.detach().double().cpu().numpy()
+    """``x`` as a float64 NumPy array (a CPU tensor's float64 data shared, not copied)."""
+    x = x.detach() if x.requires_grad else x
+    x = x if x.device.type == "cpu" else x.cpu()
+    if x.dtype in (torch.float32, torch.float64):
+        return x.numpy().astype(np.float64, copy=False)
+    return x.double().numpy()
 
 
-def fit_down_target(g: Tensor, m: Tensor, c_rms: Tensor) -> tuple[Tensor, Tensor]:
+def _from_host(h: Any, like: Tensor) -> Tensor:
+    """The host array ``h`` as a tensor of ``like``'s dtype and device."""
+    if like.dtype in (torch.float32, torch.float64) and like.device.type == "cpu":
+        return torch.from_numpy(np.asarray(h, dtype=np.float32 if like.dtype == torch.float32
+                                           else np.float64))
+    return torch.from_numpy(np.asarray(h)).to(like.device, like.dtype)
+
+
+def fit_down_target(g: Tensor, m: Tensor, c_rms: Tensor, fitted: Poles | None = None
+                    ) -> tuple[Tensor, Any]:
     """The down-projection output whose normalized, scaled value best matches ``g`` in L2
     (App. B.2, the paper's fit; what a frozen scale can reach at best, PAPER.md section 7).
 
@@ -355,12 +369,26 @@ def fit_down_target(g: Tensor, m: Tensor, c_rms: Tensor) -> tuple[Tensor, Tensor
         g: (d,) target branch output ``dv + m * N(h_down,C)``.
         m: (d,) post-norm scale.
         c_rms: () the fixed RMS value, ``RMS(h_down,C)`` (keeps the down patch small).
+        fitted: ``poles(m)`` when already computed (as for `stable_down_target`).
 
     Returns:
         ``(h_target, hard_case)`` with ``h_target = c_rms * y`` in ``g``'s dtype.
     """
-    fit = solve_rms_fit(g, m)
-    return (c_rms.double() * fit.y).to(g.dtype), fit.hard_case
+    return _down_target(g, poles(m) if fitted is None else fitted, c_rms, raise_floor=False)
+
+
+def _down_target(g: Tensor, p: Poles, c_rms: Tensor, raise_floor: bool) -> tuple[Tensor, Any]:
+    """``c_rms`` times the secular fit of ``g`` against the poles' scale (its small coordinates
+    raised, `_raised`, for the stable update), in ``g``'s dtype, and the hard-case flag."""
+    if p.xp is _DEVICE:
+        y, _, hard = _secular(p, g.double(), 6)
+        y = _raised(p.xp, y) if raise_floor else y
+        return (c_rms.double() * y).to(g.dtype), hard
+    with np.errstate(all="ignore"):  # (IEEE results wanted: inf, NaN)
+        y, _, hard = _secular(p, _host64(g), 6)
+        y = _raised(p.xp, y) if raise_floor else y
+        h = float(c_rms) * y
+    return _from_host(h, g), bool(hard)
 
 
 #: `conditioned_scale` raises every ``|m_k|`` to at least this fraction of ``RMS(m)``
@@ -407,14 +435,8 @@ def stable_down_target(g: Tensor, m: Tensor, c_rms: Tensor, fitted: Poles | None
         ``(h_target, hard_case)`` with ``h_target = c_rms * y`` in ``g``'s dtype; ``hard_case``
         a 0-d tensor, or a Python bool when solved on the host.
     """
-    p = stable_poles(m) if fitted is None else fitted
-    if p.xp is _DEVICE:
-        y, _, hard = _secular(p, g.double(), 6)
-        return (c_rms.double() * _raised(p.xp, y)).to(g.dtype), hard
-    with np.errstate(all="ignore"):  # (IEEE results wanted: inf, NaN)
-        y, _, hard = _secular(p, _host64(g), 6)
-        h = float(c_rms) * _raised(p.xp, y)
-    return torch.from_numpy(h).to(g.dtype), bool(hard)
+    return _down_target(g, stable_poles(m) if fitted is None else fitted, c_rms,
+                        raise_floor=True)
 
 
 def _raised(xp: _ArrayOps, y: Any) -> Any:
