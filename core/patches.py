@@ -158,7 +158,8 @@ class _ArrayOps:
     """What `_secular` needs of an array library beyond arithmetic: vectors ``where``, scalars
     ``pick``; ``maximum`` propagates NaN, ``fmin``/``fmax`` ignore it; ``below`` is the next
     float64 towards -inf, ``first_min`` the mask of a vector's first smallest coordinate,
-    ``at_least(x, c)`` raises ``x`` to the number ``c`` (NaN kept). Python numbers in ``where`` and ``pick`` only where the other side is an array or scalar
+    ``at_least(x, c)`` raises ``x`` to the number ``c`` (NaN kept), ``copysign`` as NumPy's.
+    Python numbers in ``where`` and ``pick`` only where the other side is an array or scalar
     of the solve's float64 (torch makes a tensor of two Python floats float32)."""
 
     dot: Any
