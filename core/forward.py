@@ -112,8 +112,9 @@ def one_read_head(model: Any, rows: int) -> Iterator[None]:
 def last_logits(model: Any, ids: Sequence[int], device: torch.device, cache: Any = None,
                 positions: Sequence[int] | None = None, pixels: dict[str, Any] | None = None,
                 prompt_length: int | None = None, rows: int = 1) -> torch.Tensor:
-    """Last-position logits as a float64 CPU vector; with ``rows`` > 1 (no cache, no image),
-    ``ids`` run as that many identical batch rows and the result is ``(rows, vocabulary)``.
+    """Last-position logits as a float64 vector (`logits64`); with ``rows`` > 1 (no cache, no
+    image), ``ids`` run as that many identical batch rows and the result is ``(rows,
+    vocabulary)``.
 
     ``pixels``: an image's processor inputs (`core.prompt.Prompt.pixels`), for the full run: a run
     over ids from position 0 that contain its image tokens, or (``cache`` holding those) its
@@ -142,8 +143,7 @@ def last_logits(model: Any, ids: Sequence[int], device: torch.device, cache: Any
         kwargs["position_ids"] = torch.tensor([list(positions)] * rows, device=device)
     with one_read_head(model, rows):
         out = model(input_ids=input_ids, **kwargs)
-    last = out.logits[:, -1] if rows > 1 else out.logits[0, -1]
-    return last.detach().to("cpu", torch.float64)
+    return logits64(out.logits[:, -1] if rows > 1 else out.logits[0, -1])
 
 
 def attention_only(cache: Any) -> bool:
@@ -179,7 +179,7 @@ def rows_logits(model: Any, token: int, position: int, device: torch.device, cac
     whole cache (the full context), the others only themselves, as a run without any context
     would (an attention mask hides the cache from them; ``cache`` must hold ``rows`` rows and
     ``position`` tokens, `attention_only`). Returns the last-position logits, ``(rows,
-    vocabulary)``, float64 on the CPU."""
+    vocabulary)``, float64 (`logits64`)."""
     mask = torch.zeros((rows, position + 1), dtype=torch.long, device=device)
     mask[0] = 1
     mask[:, -1] = 1
@@ -187,7 +187,15 @@ def rows_logits(model: Any, token: int, position: int, device: torch.device, cac
         out = model(input_ids=torch.full((rows, 1), token, device=device), attention_mask=mask,
                     position_ids=torch.full((rows, 1), position, device=device), cache=cache,
                     use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1].detach().to("cpu", torch.float64)
+    return logits64(out.logits[:, -1])
+
+
+def logits64(x: Tensor) -> Tensor:
+    """Logits in float64 where the step's metrics are computed: on their own device (a GPU's
+    logits stay there and cross to the host with the step's other values in one transfer,
+    `core.compare._Host`), on the CPU for devices without float64 (Apple's MPS)."""
+    x = x.detach()
+    return x.to(torch.float64) if x.device.type in ("cpu", "cuda") else x.to("cpu", torch.float64)
 
 
 def extend_cache(model: Any, ids: Sequence[int], device: torch.device, cache: Any) -> None:
