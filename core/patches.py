@@ -74,10 +74,13 @@ def _along(u: Tensor, x: Tensor) -> Rank1:
     """``Rank1(u, x / |x|^2)``; with ``x = 0``, ``a = 0`` and ``void`` set (no host sync). For
     ``x`` a batch of rows ``(k, in)``, a batch of patches: row ``j`` of ``a`` along ``x[j]``,
     ``void`` per row."""
-    xx = torch.dot(x, x) if x.dim() == 1 else (x * x).sum(-1)
+    if x.dim() == 1:
+        xx = torch.dot(x, x)
+        void = xx <= 0
+        return Rank1(u=u, a=x / torch.where(void, 1.0, xx), void=void)  # (1.0 takes xx's dtype)
+    xx = (x * x).sum(-1)
     void = xx <= 0
-    a = x / torch.where(void, torch.ones_like(xx), xx).unsqueeze(-1)
-    return Rank1(u=u, a=a, void=void)
+    return Rank1(u=u, a=x / torch.where(void, 1.0, xx).unsqueeze(-1), void=void)
 
 
 def rank1_input_patch(y_target: Tensor, y: Tensor, z: Tensor) -> Rank1:
