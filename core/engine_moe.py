@@ -238,8 +238,12 @@ class MoEPatcher:
             z = query_row(x, q)
         dv = None
         if self.kind == "experts":
-            s_sum = out_w.sum() if out_w is not None else torch.full((), float(k), dtype=q,
-                                                                     device=x.device)
+            if out_w is not None:  # routing weights after the experts
+                s_sum = out_w.sum()
+            elif live is not None:  # expert-major: each active expert's input carries its score
+                s_sum = live.sum().to(q)
+            else:
+                s_sum = torch.full((), float(k), dtype=q, device=x.device)
             zero_s = s_sum == 0  # then no expert can absorb dv: no down patch acts
             self.result.zero_s = either(self.result.zero_s, zero_s)
             dv = self.shift() * (~zero_s) / (torch.where(zero_s, torch.ones_like(s_sum), s_sum)
@@ -264,6 +268,7 @@ class MoEPatcher:
                 r_out = Rank1(r_out.u, r_out.a * live[:, None],
                               None if r_out.void is None else r_out.void & live)
             self._expert_patches(module, "down_proj", index, pairs, view, r_out, "zero_h")
+        del w  # (k slices in the patch dtype: not kept through the recomputation)
         if not pairs:
             return None
         return self._recompute(module, view, args, output, index, pairs)

@@ -41,7 +41,10 @@ def written_slices_(items: Sequence[tuple[Tensor, Tensor, Tensor]]) -> Iterator[
             for param, index, deltas in items:
                 slices = param.index_select(0, index)  # (a copy)
                 saved.append((param, index, slices))
-                param.index_copy_(0, index, (slices.to(deltas.dtype) + deltas).to(param.dtype))
+                patched = slices.to(deltas.dtype, copy=True)
+                patched += deltas  # (in place: one buffer of k slices fewer)
+                param.index_copy_(0, index, patched.to(param.dtype))
+                del patched
         yield
     finally:
         with torch.no_grad():

@@ -214,10 +214,11 @@ def poles(m: Tensor, on_host: bool | None = None) -> Poles:
     runs on the host (``on_host``, by default for a CPU tensor while `HOST_MATH` is on)."""
     xp = _HOST if _on_host(m, on_host) else _DEVICE
     m64 = _host64(m) if xp is _HOST else m.double()
-    m2 = m64 * m64
-    m2_min = m2.min()
-    at_min = m2 == m2_min
-    gap = m2 - m2_min
+    with np.errstate(all="ignore"):  # (IEEE results wanted: an overflowing m^2 is inf)
+        m2 = m64 * m64
+        m2_min = m2.min()
+        at_min = m2 == m2_min
+        gap = m2 - m2_min
     return Poles(xp=xp, m=m64, m2=m2, m2_min=m2_min, at_min=at_min, gap=gap,
                  gap_out=xp.where(at_min, math.inf, gap), first_min=xp.first_min(m2),
                  t_min=m2_min * 2.0**-52 + 2.0**-1074)
@@ -237,7 +238,8 @@ def _secular(p: Poles, g64: Any, steps: int) -> tuple[Any, Any, Any]:
     short = n - s_edge
     gm_pole = gm * p.at_min
     hard = (short >= 0.0) & ~(gm_pole != 0).any()
-    rest = xp.sqrt(xp.maximum(short, abs(0.0 * short)))  # (+0: -0 would make pole / rest -inf)
+    rest = xp.sqrt(xp.maximum(short, abs(0.0 * short)))  # (+0 for short < 0: -0 would make
+    # pole / rest -inf; short itself is never -0)
     y_hard = xp.where(p.first_min, rest, y_edge)  # one minimiser takes the rest
     # The bracket [t_lo, t_hi] on t = min m^2 - mu (see `solve_rms_fit`).
     gms = gm * (1.0 / math.sqrt(n))
