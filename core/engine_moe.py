@@ -48,7 +48,7 @@ from ctxpatch.core.activations import (
     replace_output,
 )
 from ctxpatch.core.adapters.base import ExpertsView, LayerSites, SharedExpert
-from ctxpatch.core.forward import written_slices_
+from ctxpatch.core.forward import add_to_slices_, written_slices_
 from ctxpatch.core.offload import is_offloaded, plain_call, resident
 from ctxpatch.core.patches import Rank1, either, matrix_output_patch, rank1_input_patch
 
@@ -290,10 +290,8 @@ class MoEPatcher:
             # offloaded experts: patched copies of the stacked tensors for this one call
             params = {}
             for name, deltas in pairs:
-                full = resident(module, name).detach().clone()
-                slices = full.index_select(0, index)
-                params[name] = full.index_copy_(
-                    0, index, (slices.to(deltas.dtype) + deltas).to(full.dtype))
+                params[name] = resident(module, name).detach().clone()
+                add_to_slices_(params[name], index, deltas)
             patched = plain_call(module, params, *inputs)
         else:  # resident: the slices are written in place and restored at once
             with written_slices_([(getattr(module, n), index, d) for n, d in pairs]):

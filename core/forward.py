@@ -30,21 +30,26 @@ def written_(pairs: Sequence[tuple[Tensor, Tensor]]) -> Iterator[None]:
                 target.copy_(original)
 
 
+def add_to_slices_(param: Tensor, index: Tensor, deltas: Tensor) -> Tensor:
+    """Add ``deltas[j]`` to the slice ``param[index[j]]`` in place (the indices distinct; no
+    host sync), computed in the deltas' dtype and rounded to the parameter's; returns the
+    original slices (a copy), for a restore with ``index_copy_``."""
+    slices = param.index_select(0, index)  # (a copy)
+    patched = slices.to(deltas.dtype, copy=True)
+    patched += deltas  # (in place: one buffer of k slices fewer)
+    param.index_copy_(0, index, patched.to(param.dtype))
+    return slices
+
+
 @contextmanager
 def written_slices_(items: Sequence[tuple[Tensor, Tensor, Tensor]]) -> Iterator[None]:
-    """For each ``(param, index, deltas)``: add ``deltas[j]`` to the slice ``param[index[j]]`` in
-    place, rounded to the parameter's dtype (the indices of one item distinct; no host sync);
-    restore the exact originals in ``finally``."""
+    """For each ``(param, index, deltas)``: `add_to_slices_`; restore the exact originals in
+    ``finally``."""
     saved: list[tuple[Tensor, Tensor, Tensor]] = []
     try:
         with torch.no_grad():
             for param, index, deltas in items:
-                slices = param.index_select(0, index)  # (a copy)
-                saved.append((param, index, slices))
-                patched = slices.to(deltas.dtype, copy=True)
-                patched += deltas  # (in place: one buffer of k slices fewer)
-                param.index_copy_(0, index, patched.to(param.dtype))
-                del patched
+                saved.append((param, index, add_to_slices_(param, index, deltas)))
         yield
     finally:
         with torch.no_grad():

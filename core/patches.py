@@ -140,7 +140,9 @@ class RmsFit:
     hard_case: Tensor  # () bool: no interior root, the fallback of PAPER.md section 5 was used
 
 
-#: `solve_rms_fit`'s first steps that keep the bracket and bisect it when the model root leaves it
+#: `solve_rms_fit`'s model steps, and the first of them that keep the bracket and bisect it
+#: when the model root leaves it
+STEPS = 6
 _GUARDED = 3
 
 #: CPU tensors' secular solves run on the host (`solve_rms_fit`); `core.bench` turns this off
@@ -278,7 +280,8 @@ def _secular(p: Poles, g64: Any, steps: int) -> tuple[Any, Any, Any]:
     return xp.where(hard, y_hard, y), xp.pick(hard, p.m2_min, mu), hard
 
 
-def solve_rms_fit(g: Tensor, m: Tensor, steps: int = 6, on_host: bool | None = None) -> RmsFit:
+def solve_rms_fit(g: Tensor, m: Tensor, steps: int = STEPS, on_host: bool | None = None
+                  ) -> RmsFit:
     """Fit ``m * y`` to ``g`` with ``y`` on the RMS sphere ``mean(y^2) = 1``.
 
     Stationarity gives ``y_k = g_k m_k / (m_k^2 - mu)`` with ``mu`` the root below ``min m^2`` of
@@ -340,7 +343,7 @@ def solve_rms_fit(g: Tensor, m: Tensor, steps: int = 6, on_host: bool | None = N
         return RmsFit(y=y, mu=mu, hard_case=hard)
     with np.errstate(all="ignore"):  # (IEEE results wanted: inf, NaN)
         y, mu, hard = _secular(p, _host64(g), steps)
-    return RmsFit(y=_from_host(y, torch.empty((), dtype=torch.float64, device=g.device)),
+    return RmsFit(y=_from_host(y, torch.float64, g.device),
                   mu=torch.tensor(float(mu), dtype=torch.float64, device=g.device),
                   hard_case=torch.tensor(bool(hard), device=g.device))
 
@@ -358,12 +361,13 @@ def _host64(x: Tensor) -> np.ndarray:
     return x.double().numpy()
 
 
-def _from_host(h: Any, like: Tensor) -> Tensor:
-    """The host array ``h`` as a tensor of ``like``'s dtype and device."""
-    if like.dtype in (torch.float32, torch.float64) and like.device.type == "cpu":
-        return torch.from_numpy(np.asarray(h, dtype=np.float32 if like.dtype == torch.float32
+def _from_host(h: Any, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The host array ``h`` as a tensor of ``dtype`` on ``device`` (rounded by NumPy for a CPU
+    float32 or float64 one)."""
+    if dtype in (torch.float32, torch.float64) and device.type == "cpu":
+        return torch.from_numpy(np.asarray(h, dtype=np.float32 if dtype == torch.float32
                                            else np.float64))
-    return torch.from_numpy(np.asarray(h)).to(like.device, like.dtype)
+    return torch.from_numpy(np.asarray(h)).to(device, dtype)
 
 
 def fit_down_target(g: Tensor, m: Tensor, c_rms: Tensor, fitted: Poles | None = None
@@ -387,14 +391,14 @@ def _down_target(g: Tensor, p: Poles, c_rms: Tensor, raise_floor: bool) -> tuple
     """``c_rms`` times the secular fit of ``g`` against the poles' scale (its small coordinates
     raised, `_raised`, for the stable update), in ``g``'s dtype, and the hard-case flag."""
     if p.xp is _DEVICE:
-        y, _, hard = _secular(p, g.double(), 6)
+        y, _, hard = _secular(p, g.double(), STEPS)
         y = _raised(p.xp, y) if raise_floor else y
         return (c_rms.double() * y).to(g.dtype), hard
     with np.errstate(all="ignore"):  # (IEEE results wanted: inf, NaN)
-        y, _, hard = _secular(p, _host64(g), 6)
+        y, _, hard = _secular(p, _host64(g), STEPS)
         y = _raised(p.xp, y) if raise_floor else y
         h = float(c_rms) * y
-    return _from_host(h, g), bool(hard)
+    return _from_host(h, g.dtype, g.device), bool(hard)
 
 
 #: `conditioned_scale` raises every ``|m_k|`` to at least this fraction of ``RMS(m)``
