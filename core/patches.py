@@ -160,14 +160,17 @@ def _fmax(a: Any, b: Any) -> Any:
 
 @dataclass(frozen=True)
 class _ArrayOps:
-    """What `_secular` needs of an array library beyond arithmetic: vectors ``where``, scalars
-    ``pick``; ``maximum`` propagates NaN, ``fmin``/``fmax`` ignore it; ``below`` is the next
-    float64 towards -inf, ``first_min`` the mask of a vector's first smallest coordinate,
-    ``at_least(x, c)`` raises ``x`` to the number ``c`` (NaN kept), ``copysign`` as NumPy's.
+    """What `_secular` needs of an array library beyond arithmetic and ``@``: vectors ``where``,
+    scalars ``pick``; ``maximum`` propagates NaN, ``fmin``/``fmax`` ignore it; ``below`` is the
+    next float64 towards -inf, ``first_min`` the mask of a vector's first smallest coordinate,
+    ``at_least(x, c)`` raises ``x`` to the number ``c`` (NaN kept), ``copysign`` as NumPy's;
+    ``empty(k, x)`` a ``(k, len(x))`` buffer of ``x``'s kind, filled by ``add``, ``mul`` and
+    ``div`` given ``out=`` (a buffer's rows, so that one ``@`` gives several dot products),
+    ``entries`` a small matrix's entries as scalars, row by row; ``at`` the minimisers' part of a
+    vector (`Poles.at_min`: a mask on a device, indices on the host).
     Python numbers in ``where`` and ``pick`` only where the other side is an array or scalar
     of the solve's float64 (torch makes a tensor of two Python floats float32)."""
 
-    dot: Any
     where: Any
     pick: Any
     sqrt: Any
@@ -178,21 +181,30 @@ class _ArrayOps:
     first_min: Any
     at_least: Any
     copysign: Any
+    empty: Any
+    add: Any
+    mul: Any
+    div: Any
+    entries: Any
+    at: Any
 
 
 #: torch tensors, scalars as 0-d tensors: no value crosses to the host
 _DEVICE = _ArrayOps(
-    dot=torch.dot, where=torch.where, pick=torch.where, sqrt=torch.sqrt, fmin=torch.fmin,
-    fmax=torch.fmax, maximum=torch.maximum,
-    below=lambda x: torch.nextafter(x, torch.full_like(x, -math.inf)),
+    where=torch.where, pick=torch.where, sqrt=torch.sqrt, fmin=torch.fmin, fmax=torch.fmax,
+    maximum=torch.maximum, below=lambda x: torch.nextafter(x, torch.full_like(x, -math.inf)),
     first_min=lambda x: torch.arange(x.numel(), device=x.device) == x.argmin(),
-    at_least=torch.clamp_min, copysign=torch.copysign)
+    at_least=torch.clamp_min, copysign=torch.copysign,
+    empty=lambda k, x: x.new_empty((k, x.shape[0])), add=torch.add, mul=torch.mul, div=torch.div,
+    entries=lambda s: s.view(-1).unbind(), at=lambda x, mask: x * mask)
 #: NumPy arrays, scalars as NumPy float64 (conditions decided on the host)
 _HOST = _ArrayOps(
-    dot=np.dot, where=np.where, pick=lambda c, a, b: a if c else b, sqrt=lambda x: x ** 0.5,
-    fmin=_fmin, fmax=_fmax, maximum=lambda a, b: a if (a != a or a > b) else b,
+    where=np.where, pick=lambda c, a, b: a if c else b, sqrt=lambda x: x ** 0.5, fmin=_fmin,
+    fmax=_fmax, maximum=lambda a, b: a if (a != a or a > b) else b,
     below=lambda x: np.nextafter(x, -np.inf), first_min=lambda x: np.arange(x.size) == x.argmin(),
-    at_least=np.maximum, copysign=np.copysign)
+    at_least=np.maximum, copysign=np.copysign, empty=lambda k, x: np.empty((k, x.shape[0])),
+    add=np.add, mul=np.multiply, div=np.divide, entries=lambda s: list(s.ravel()),
+    at=lambda x, index: x[index])
 
 
 @dataclass(frozen=True)
@@ -202,9 +214,10 @@ class Poles:
 
     xp: _ArrayOps
     m: Any  # (d,) float64
+    m_mean: Any  # m / sqrt(d): g times it is the solve's g m / sqrt(d)
     m2: Any  # m^2
     m2_min: Any  # min m^2, the pole
-    at_min: Any  # the coordinates attaining it
+    at_min: Any  # the coordinates attaining it (for ``xp.at``: a 0/1 mask, or their indices)
     gap: Any  # m^2 - min m^2
     gap_out: Any  # the same, infinite at the minimisers (leaves them out of the edge sums)
     first_min: Any  # the first minimiser (the hard case puts the rest there)
@@ -221,43 +234,46 @@ def poles(m: Tensor, on_host: bool | None = None) -> Poles:
         m2_min = m2.min()
         at_min = m2 == m2_min
         gap = m2 - m2_min
-    return Poles(xp=xp, m=m64, m2=m2, m2_min=m2_min, at_min=at_min, gap=gap,
-                 gap_out=xp.where(at_min, math.inf, gap), first_min=xp.first_min(m2),
+    return Poles(xp=xp, m=m64, m_mean=m64 * (1.0 / math.sqrt(m64.shape[0])), m2=m2,
+                 m2_min=m2_min, at_min=np.flatnonzero(at_min) if xp is _HOST else at_min.double(),
+                 gap=gap, gap_out=xp.where(at_min, math.inf, gap), first_min=xp.first_min(m2),
                  t_min=m2_min * 2.0**-52 + 2.0**-1074)
 
 
 def _secular(p: Poles, g64: Any, steps: int) -> tuple[Any, Any, Any]:
     """`solve_rms_fit`'s ``(y, mu, hard_case)`` from float64 ``g`` of the poles' kind. On the host
     the steps after the guarded ones stop once ``t`` no longer moves (the model root within 4
-    ulps of ``t``: the next step would only round); on a device all ``steps`` run."""
+    ulps of ``t``: the next step would only round); on a device all ``steps`` run. The sums of
+    each stage are one ``@`` of a buffer's rows with itself."""
     xp, gap, gap_out = p.xp, p.gap, p.gap_out
     n = g64.shape[0]
-    gm = g64 * p.m
+    rows = xp.empty(4, g64)
+    gms = xp.mul(g64, p.m_mean, out=rows[0])  # g m / sqrt(n)
     # Hard case: F stays finite just below min m^2 only when every minimising coordinate has
     # g m = 0, and it is then the hard case when F there is at most 1.
-    y_edge = gm / gap_out  # the other coordinates' y at mu = min m^2 (0 at the minimisers)
-    s_edge = xp.dot(y_edge, y_edge)  # n F_edge
-    short = n - s_edge
-    gm_pole = gm * p.at_min
-    hard = (short >= 0.0) & ~(gm_pole != 0).any()
+    y_edge = xp.div(gms, gap_out, out=rows[1])  # the others' y at mu = min m^2, over sqrt(n)
+    xp.div(y_edge, gap_out, out=rows[2])
+    three = rows[:3]
+    s00, _, _, _, s11, s12, _, _, _ = xp.entries(three @ three.T)
+    short = n - n * s11  # n (1 - F_edge)
+    gms_pole = xp.at(gms, p.at_min)
+    hard = (short >= 0.0) & ~(gms_pole != 0).any()
     rest = xp.sqrt(xp.maximum(short, abs(0.0 * short)))  # (+0 for short < 0: -0 would make
     # pole / rest -inf; short itself is never -0)
-    y_hard = xp.where(p.first_min, rest, y_edge)  # one minimiser takes the rest
     # The bracket [t_lo, t_hi] on t = min m^2 - mu (see `solve_rms_fit`).
-    gms = gm * (1.0 / math.sqrt(n))
-    pole = xp.sqrt(xp.dot(gm_pole, gm_pole))  # sqrt(n a)
+    pole = xp.sqrt(n * (gms_pole @ gms_pole))  # sqrt(n a)
     t_min = p.t_min
-    t_hi = xp.maximum(xp.fmin(xp.sqrt(xp.dot(gms, gms)), pole / rest), t_min)
-    tangent = short / (-2.0 * xp.dot(y_edge, y_edge / gap_out))
+    t_hi = xp.maximum(xp.fmin(xp.sqrt(s00), pole / rest), t_min)
+    tangent = short / (-2.0 * n * s12)
     t_lo = xp.maximum(xp.fmax((abs(gms) - gap).max(), tangent), t_min)
     t = xp.sqrt(t_lo) * xp.sqrt(t_hi)
+    d, y, yd, pair = rows[3], rows[1], rows[2], rows[1:3]
+    pair_t = pair.T
     for k in range(steps):
-        d = gap + t
-        y = gms / d
-        yd = y / d
-        f = xp.dot(y, y)  # F
-        s3 = xp.dot(y, yd)  # -F'(t) / 2
-        s4 = xp.dot(yd, yd)  # F''(t) / 6
+        xp.add(gap, t, out=d)
+        xp.div(gms, d, out=y)
+        xp.div(y, d, out=yd)
+        f, s3, _, s4 = xp.entries(pair @ pair_t)  # F, -F'(t) / 2, F''(t) / 6
         s3s3 = s3 * s3
         t_next = t + (s3s3 * (s3s3 + s4 * (1.0 - f)) ** -0.5 - s3) / s4
         if k < _GUARDED:
@@ -276,7 +292,11 @@ def _secular(p: Poles, g64: Any, steps: int) -> tuple[Any, Any, Any]:
     # outside, when the root lies within a few ulps of min m^2).
     mu = p.m2_min - t
     mu = xp.pick(p.m2_min - mu < t, xp.below(mu), mu)
+    gm = g64 * p.m
     y = gm / (p.m2 - mu)
+    if xp is _HOST and not hard:
+        return y, mu, hard
+    y_hard = xp.where(p.first_min, rest, gm / gap_out)  # one minimiser takes the rest
     return xp.where(hard, y_hard, y), xp.pick(hard, p.m2_min, mu), hard
 
 
@@ -392,12 +412,12 @@ def _down_target(g: Tensor, p: Poles, c_rms: Tensor, raise_floor: bool) -> tuple
     raised, `_raised`, for the stable update), in ``g``'s dtype, and the hard-case flag."""
     if p.xp is _DEVICE:
         y, _, hard = _secular(p, g.double(), STEPS)
-        y = _raised(p.xp, y) if raise_floor else y
-        return (c_rms.double() * y).to(g.dtype), hard
+        c = c_rms.double()
+        return (_raised(p.xp, y, c) if raise_floor else c * y).to(g.dtype), hard
     with np.errstate(all="ignore"):  # (IEEE results wanted: inf, NaN)
         y, _, hard = _secular(p, _host64(g), STEPS)
-        y = _raised(p.xp, y) if raise_floor else y
-        h = float(c_rms) * y
+        c = float(c_rms)
+        h = _raised(p.xp, y, c) if raise_floor else c * y
     return _from_host(h, g.dtype, g.device), bool(hard)
 
 
@@ -449,11 +469,11 @@ def stable_down_target(g: Tensor, m: Tensor, c_rms: Tensor, fitted: Poles | None
                         raise_floor=True)
 
 
-def _raised(xp: _ArrayOps, y: Any) -> Any:
-    """``y`` with every ``|y_k|`` raised to at least `DIRECTION_FLOOR` (a zero takes its sign
-    bit), put back on the RMS sphere."""
+def _raised(xp: _ArrayOps, y: Any, scale: Any) -> Any:
+    """``scale`` times ``y`` with every ``|y_k|`` raised to at least `DIRECTION_FLOOR` (a zero
+    takes its sign bit) and put back on the RMS sphere."""
     y = xp.copysign(xp.at_least(abs(y), DIRECTION_FLOOR), y)
-    return y * (y * y).mean() ** -0.5
+    return y * (scale * ((y @ y) / y.shape[0]) ** -0.5)
 
 
 def reachable_shift_bound(m: Tensor) -> float:
