@@ -83,12 +83,35 @@ def keep_patched_rows(original: Tensor, patched: Tensor, last_only: bool, batch:
     return patched
 
 
-def rank1_action(x: Tensor, y: Tensor, r: Rank1, last_only: bool, batch: int = 1) -> Tensor:
+def acts_on_one_row(y: Tensor, last_only: bool, batch: int = 1) -> bool:
+    """Whether a patch acts on one row of ``y`` only, its last once flattened to ``(-1, width)``
+    (the query of the last batch element: the decoding steps, or scope "query"), as
+    `keep_patched_rows` and `rank1_action` decide. Not for (streams, 1, seq, width) ones."""
+    if y.dim() > 3:
+        return False
+    return last_only or y.numel() // y.shape[-1] == batch
+
+
+def with_last_row(original: Tensor, row: Tensor) -> Tensor:
+    """A copy of ``original`` whose last row (flattened to ``(-1, width)``) is ``row``, cast to
+    ``original``'s dtype: `keep_patched_rows` where `acts_on_one_row` holds, given the patched
+    row alone."""
+    out = original.clone(memory_format=torch.contiguous_format)
+    out.view(-1, out.shape[-1])[-1] = row.reshape(-1)
+    return out
+
+
+def rank1_action(x: Tensor, y: Tensor, r: Rank1, last_only: bool, batch: int = 1,
+                 rows: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """``y + u (a . x)`` on every row of a ``(..., rows, width)`` activation (batch is 1; MoE
     and OPT modules see the rows flattened), or on the last row only (the query, as in
     `query_row`); with ``batch`` > 1 on the last batch element's rows only (the others are the
     unpatched control's, `keep_patched_rows`). Computed in the patch dtype, cast back to ``y``'s
-    dtype."""
+    dtype. ``rows``: the query rows of ``x`` and ``y`` in the patch dtype, when the caller has
+    them (used where the patch acts on that row alone)."""
+    if rows is not None and acts_on_one_row(y, last_only, batch):
+        x_q, y_q = rows
+        return with_last_row(y, y_q + (x_q @ r.a) * r.u)
     ct = r.u.dtype
     x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
     if batch > 1:

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from ctxpatch.core.activations import (
+    acts_on_one_row,
     first_input,
     first_output,
     first_row_query,
@@ -36,6 +37,7 @@ from ctxpatch.core.activations import (
     query_row,
     rank1_action,
     replace_output,
+    with_last_row,
 )
 from ctxpatch.core.adapters.base import LayerSites
 from ctxpatch.core.controllability import OutputPlan
@@ -72,7 +74,12 @@ class LayerTargets:
 
     @property
     def v(self) -> Tensor:
-        return torch.stack(self.v_parts).sum(0)
+        return _summed(self.v_parts)
+
+
+def _summed(parts: list[Tensor]) -> Tensor:
+    """The sum of ``v``'s parts (most families have one: it is then itself)."""
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
 
 
 @dataclass
@@ -295,8 +302,7 @@ class _LayerPatcher:
 
     def shift(self) -> Tensor:
         """``dv = v_C - v`` at the query (its norm kept in the result)."""
-        v = torch.stack(self.v_parts).sum(0)
-        dv = self.t.v - v
+        dv = self.t.v - _summed(self.v_parts)
         self.result.shift_norm = dv.norm()
         self.shifted = True
         return dv
@@ -312,13 +318,13 @@ class _LayerPatcher:
             if "input" in self.spec.disabled:
                 return None
             x, y = args[0], first_output(output)
-            q = self.dtype
-            r = rank1_input_patch(self.t.inputs[role], query_row(y, q), query_row(x, q))
+            x_q, y_q = query_row(x, self.dtype), query_row(y, self.dtype)
+            r = rank1_input_patch(self.t.inputs[role], y_q, x_q)
             self.result.zero_z = either(self.result.zero_z, r.void)  # (then a = 0: no change)
             r = self.rank1(r)
             self.result.patches[self.name(module, "weight")] = r
             return replace_output(output, rank1_action(x, y, r, self.spec.last_only,
-                                                       self.spec.batch))
+                                                       self.spec.batch, rows=(x_q, y_q)))
 
         return hook
 
@@ -339,6 +345,15 @@ class _LayerPatcher:
             self.result.patches[self.name(module, "bias")] = d
             out = (y.to(d.delta.dtype) + d.delta).to(y.dtype)
             return keep_patched_rows(y, out, spec.last_only, spec.batch)
+        r, x_q, y_q = self._out_matrix_rank1(module, x, y)
+        return rank1_action(x, y, r, spec.last_only, spec.batch,
+                            rows=None if y_q is None else (x_q, y_q))
+
+    def _out_matrix_rank1(self, module: nn.Module, x: Tensor, y: Tensor
+                          ) -> tuple[Rank1, Tensor, Tensor | None]:
+        """The output matrix's rank-1 patch (kinds "matrix", "fit", "stable"), kept in the
+        result, with the query rows of ``x`` and (but for "matrix") ``y`` it read."""
+        x_q, y_q = query_row(x, self.dtype), None
         if self.kind == "matrix":
             shift = self.shift() / self.s.branch_scale
         else:
@@ -354,12 +369,13 @@ class _LayerPatcher:
             target = fit_down_target if self.kind == "fit" else stable_down_target
             h_target, hard = target(self.g, m, c_rms, self.memo[key])
             self.result.hard_case = hard
-            shift = h_target - query_row(y, self.dtype)
-        r = matrix_output_patch(shift, query_row(x, self.dtype))
+            y_q = query_row(y, self.dtype)
+            shift = h_target - y_q
+        r = matrix_output_patch(shift, x_q)
         self.result.zero_h = either(self.result.zero_h, r.void)  # (then a = 0: no change)
         r = self.rank1(r)
         self.result.patches[self.name(module, "weight")] = r
-        return rank1_action(x, y, r, spec.last_only, spec.batch)
+        return r, x_q, y_q
 
     def _norm_weight(self) -> Tensor:
         """The post-norm's weight in the patch dtype (once per run)."""
@@ -380,7 +396,7 @@ class _LayerPatcher:
         """The post-norm scale's patch for kinds "scale", "beside" (``dv``) and "stable" (the
         remainder of the down matrix's fit); in the same pass, first the down matrix's patch
         of kinds "stable" and "fit" (`PatchSpec.same_pass`)."""
-        h = args[0]
+        h, h_q = args[0], None
         if self.down_io is not None:
             x, y = self.down_io
             if h is not y and not (h.shape == y.shape and torch.equal(h, y.to(h.device))):
@@ -389,10 +405,16 @@ class _LayerPatcher:
                     "the stable update and the fit need separate passes (control_row "
                     "'separate')")
             assert self.s.out_matrix is not None
-            h = self._out_matrix_patch(self.s.out_matrix, x, y)
+            r, x_q, y_q = self._out_matrix_rank1(self.s.out_matrix, x, y)
+            if acts_on_one_row(y, self.spec.last_only, self.spec.batch):  # (its row alone)
+                assert y_q is not None
+                h = (y_q + (x_q @ r.a) * r.u).to(y.dtype)  # (as the model holds it)
+                h_q = h.to(self.dtype)
+            else:
+                h = rank1_action(x, y, r, self.spec.last_only, self.spec.batch)
             if self.kind == "fit":  # (the scale stays frozen)
                 return replace_output(output, self._renormed(module, {}, h, output))
-        n = rms_normalize(query_row(h, self.dtype), _norm_eps(module))
+        n = rms_normalize(query_row(h, self.dtype) if h_q is None else h_q, _norm_eps(module))
         if self.kind == "stable":
             assert self.g is not None, "the down matrix's hook runs before the post-norm's"
             shift = self.g - self._scale() * n
@@ -408,9 +430,12 @@ class _LayerPatcher:
 
     def _renormed(self, module: nn.Module, params: dict[str, Tensor], h: Tensor, output: Any
                   ) -> Tensor:
-        """The post-norm's output on ``h`` with ``params``, where the patch acts."""
-        patched = plain_call(module, params, h)
+        """The post-norm's output on ``h`` with ``params``, where the patch acts (``h`` may be
+        that row alone where the patch acts on one row)."""
         y = first_output(output)
+        if acts_on_one_row(y, self.spec.last_only, self.spec.batch):
+            return with_last_row(y, plain_call(module, params, h.reshape(-1, h.shape[-1])[-1:]))
+        patched = plain_call(module, params, h)
         return keep_patched_rows(y, patched.to(y.dtype), self.spec.last_only, self.spec.batch)
 
     def on_block(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
