@@ -86,7 +86,10 @@ def keep_patched_rows(original: Tensor, patched: Tensor, last_only: bool, batch:
 def acts_on_one_row(y: Tensor, last_only: bool, batch: int = 1) -> bool:
     """Whether a patch acts on one row of ``y`` only, its last once flattened to ``(-1, width)``
     (the query of the last batch element: the decoding steps, or scope "query"), as
-    `keep_patched_rows` and `rank1_action` decide. Not for (streams, 1, seq, width) ones."""
+    `rank1_action` decides for a ``y`` whose leading dimensions are the run's ``batch`` rows
+    (`keep_patched_rows` with ``batch`` 1 and ``last_only`` would take every leading element's
+    last row of a (several, seq, width) one; the engine's activations have one). Not for
+    (streams, 1, seq, width) ones."""
     if y.dim() > 3:
         return False
     return last_only or y.numel() // y.shape[-1] == batch

@@ -167,7 +167,9 @@ class _ArrayOps:
     ``empty(k, x)`` a ``(k, len(x))`` buffer of ``x``'s kind, filled by ``add``, ``mul`` and
     ``div`` given ``out=`` (a buffer's rows, so that one ``@`` gives several dot products),
     ``entries`` a small matrix's entries as scalars, row by row; ``at`` the minimisers' part of a
-    vector (`Poles.at_min`: a mask on a device, indices on the host).
+    vector (`Poles.at_min`): on a device the vector times a 0/1 mask (an inf elsewhere becomes
+    NaN), on the host the minimisers' values alone; `_secular` only sums their squares and asks
+    whether one is nonzero, where the two agree.
     Python numbers in ``where`` and ``pick`` only where the other side is an array or scalar
     of the solve's float64 (torch makes a tensor of two Python floats float32)."""
 
@@ -214,7 +216,7 @@ class Poles:
 
     xp: _ArrayOps
     m: Any  # (d,) float64
-    m_mean: Any  # m / sqrt(d): g times it is the solve's g m / sqrt(d)
+    m_scaled: Any  # m / sqrt(d): g times it is the solve's g m / sqrt(d)
     m2: Any  # m^2
     m2_min: Any  # min m^2, the pole
     at_min: Any  # the coordinates attaining it (for ``xp.at``: a 0/1 mask, or their indices)
@@ -228,13 +230,13 @@ def poles(m: Tensor, on_host: bool | None = None) -> Poles:
     """`Poles` of ``m`` for `solve_rms_fit` and `stable_down_target`: NumPy arrays when the solve
     runs on the host (``on_host``, by default for a CPU tensor while `HOST_MATH` is on)."""
     xp = _HOST if _on_host(m, on_host) else _DEVICE
-    m64 = _host64(m) if xp is _HOST else m.double()
+    m64 = _host64(m) if xp is _HOST else m.detach().double()
     with np.errstate(all="ignore"):  # (IEEE results wanted: an overflowing m^2 is inf)
         m2 = m64 * m64
         m2_min = m2.min()
         at_min = m2 == m2_min
         gap = m2 - m2_min
-    return Poles(xp=xp, m=m64, m_mean=m64 * (1.0 / math.sqrt(m64.shape[0])), m2=m2,
+    return Poles(xp=xp, m=m64, m_scaled=m64 * (1.0 / math.sqrt(m64.shape[0])), m2=m2,
                  m2_min=m2_min, at_min=np.flatnonzero(at_min) if xp is _HOST else at_min.double(),
                  gap=gap, gap_out=xp.where(at_min, math.inf, gap), first_min=xp.first_min(m2),
                  t_min=m2_min * 2.0**-52 + 2.0**-1074)
@@ -248,7 +250,7 @@ def _secular(p: Poles, g64: Any, steps: int) -> tuple[Any, Any, Any]:
     xp, gap, gap_out = p.xp, p.gap, p.gap_out
     n = g64.shape[0]
     rows = xp.empty(4, g64)
-    gms = xp.mul(g64, p.m_mean, out=rows[0])  # g m / sqrt(n)
+    gms = xp.mul(g64, p.m_scaled, out=rows[0])  # g m / sqrt(n)
     # Hard case: F stays finite just below min m^2 only when every minimising coordinate has
     # g m = 0, and it is then the hard case when F there is at most 1.
     y_edge = xp.div(gms, gap_out, out=rows[1])  # the others' y at mu = min m^2, over sqrt(n)
@@ -256,7 +258,8 @@ def _secular(p: Poles, g64: Any, steps: int) -> tuple[Any, Any, Any]:
     three = rows[:3]
     s00, _, _, _, s11, s12, _, _, _ = xp.entries(three @ three.T)
     short = n - n * s11  # n (1 - F_edge)
-    gms_pole = xp.at(gms, p.at_min)
+    gms_pole = xp.at(gms, p.at_min)  # (g m / sqrt(n): a float64 g m so small that this
+    # rounds it to 0 counts as 0 here; only from inputs beyond float32's range)
     hard = (short >= 0.0) & ~(gms_pole != 0).any()
     rest = xp.sqrt(xp.maximum(short, abs(0.0 * short)))  # (+0 for short < 0: -0 would make
     # pole / rest -inf; short itself is never -0)
@@ -338,10 +341,11 @@ def solve_rms_fit(g: Tensor, m: Tensor, steps: int = STEPS, on_host: bool | None
     below the root (``F(mu) <= 1`` up to rounding).
 
     One algorithm, two kinds of arrays (`_ArrayOps`): on an accelerator torch tensors, the
-    scalars 0-d tensors and the conditions masks, so nothing crosses to the host (about 150
-    small operations); for CPU tensors NumPy arrays with the scalars as host numbers, where
-    reading a value costs nothing: 4-5x faster at 640 coordinates (0.07 ms against 0.3 ms
-    per call on this CPU), the same root to a few ulps.
+    scalars 0-d tensors and the conditions masks, so nothing crosses to the host (about 170
+    small kernels); for CPU tensors NumPy arrays with the scalars as host
+    numbers, where reading a value costs nothing: 4-5x faster at 640 coordinates (0.07 ms
+    against 0.3 ms per call on this CPU), the same root to a few ulps. Each stage's sums (the
+    bracket's three, each step's F, F', F'') are one product of a buffer's rows with itself.
 
     Hard case: when every coordinate attaining ``min m^2`` has ``g_k m_k = 0``, F may stay below 1
     up to ``min m^2``. Then ``mu = min m^2``, the other coordinates take the regular formula and the
@@ -359,7 +363,7 @@ def solve_rms_fit(g: Tensor, m: Tensor, steps: int = STEPS, on_host: bool | None
     """
     p = poles(m, on_host)
     if p.xp is _DEVICE:
-        y, mu, hard = _secular(p, g.double(), steps)
+        y, mu, hard = _secular(p, g.detach().double(), steps)
         return RmsFit(y=y, mu=mu, hard_case=hard)
     with np.errstate(all="ignore"):  # (IEEE results wanted: inf, NaN)
         y, mu, hard = _secular(p, _host64(g), steps)
@@ -411,7 +415,7 @@ def _down_target(g: Tensor, p: Poles, c_rms: Tensor, raise_floor: bool) -> tuple
     """``c_rms`` times the secular fit of ``g`` against the poles' scale (its small coordinates
     raised, `_raised`, for the stable update), in ``g``'s dtype, and the hard-case flag."""
     if p.xp is _DEVICE:
-        y, _, hard = _secular(p, g.double(), STEPS)
+        y, _, hard = _secular(p, g.detach().double(), STEPS)
         c = c_rms.double()
         return (_raised(p.xp, y, c) if raise_floor else c * y).to(g.dtype), hard
     with np.errstate(all="ignore"):  # (IEEE results wanted: inf, NaN)

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from ctxpatch.core import patches
 from ctxpatch.core.patches import (
     matrix_output_patch,
     rank1_input_patch,
@@ -290,3 +291,18 @@ def test_counterexample_frozen_scale_cannot_reach_large_shift() -> None:
     reachable = m * _sphere(torch.randn(d, generator=g))
     fit2 = solve_rms_fit(reachable, m)
     assert float((m * fit2.y - reachable).norm()) < 1e-9
+
+
+@HOST_OR_DEVICE
+def test_the_solve_takes_parameters(on_host: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scale straight from a module (a Parameter, or a target that requires grad) is solved as
+    its values are: the device path writes into buffers, which autograd would refuse."""
+    gen = torch.Generator().manual_seed(11)
+    m = torch.nn.Parameter(torch.randn(24, generator=gen))
+    g = torch.randn(24, generator=gen).requires_grad_()
+    fit = solve_rms_fit(g, m, on_host=on_host)
+    plain = solve_rms_fit(g.detach(), m.detach(), on_host=on_host)
+    assert torch.equal(fit.y, plain.y) and not fit.y.requires_grad
+    monkeypatch.setattr(patches, "HOST_MATH", on_host)  # (where the stable target solves)
+    h, _ = stable_down_target(g, m, torch.tensor(1.5))
+    assert torch.equal(h, stable_down_target(g.detach(), m.detach(), torch.tensor(1.5))[0])
