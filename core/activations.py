@@ -104,6 +104,11 @@ def with_last_row(original: Tensor, row: Tensor) -> Tensor:
     return out
 
 
+def rank1_row(x_q: Tensor, y_q: Tensor, r: Rank1) -> Tensor:
+    """``y_q + u (a . x_q)`` for one row in the patch dtype (what `rank1_action` writes there)."""
+    return y_q + (x_q @ r.a) * r.u
+
+
 def rank1_action(x: Tensor, y: Tensor, r: Rank1, last_only: bool, batch: int = 1,
                  rows: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """``y + u (a . x)`` on every row of a ``(..., rows, width)`` activation (batch is 1; MoE
@@ -113,8 +118,7 @@ def rank1_action(x: Tensor, y: Tensor, r: Rank1, last_only: bool, batch: int = 1
     dtype. ``rows``: the query rows of ``x`` and ``y`` in the patch dtype, when the caller has
     them (used where the patch acts on that row alone)."""
     if rows is not None and acts_on_one_row(y, last_only, batch):
-        x_q, y_q = rows
-        return with_last_row(y, y_q + (x_q @ r.a) * r.u)
+        return with_last_row(y, rank1_row(*rows, r))
     ct = r.u.dtype
     x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
     if batch > 1:

@@ -36,6 +36,7 @@ from ctxpatch.core.activations import (
     keep_patched_rows,
     query_row,
     rank1_action,
+    rank1_row,
     replace_output,
     with_last_row,
 )
@@ -408,7 +409,7 @@ class _LayerPatcher:
             r, x_q, y_q = self._out_matrix_rank1(self.s.out_matrix, x, y)
             if acts_on_one_row(y, self.spec.last_only, self.spec.batch):  # (its row alone)
                 assert y_q is not None
-                h = (y_q + (x_q @ r.a) * r.u).to(y.dtype)  # (as the model holds it)
+                h = rank1_row(x_q, y_q, r).to(y.dtype)  # (as the model holds it)
                 h_q = h.to(self.dtype)
             else:
                 h = rank1_action(x, y, r, self.spec.last_only, self.spec.batch)
