@@ -18,7 +18,8 @@ Dimensions: ``d`` model width, ``f`` MLP width (or any matrix's input / output w
   size of the wanted branch output (`fit_down_target` is the paper's fit, for a frozen scale).
 
 Patch vectors are computed in float32, or float64 for float64 models; the secular equation of
-the stable update is always solved in float64.
+the stable update is always solved in float64 (on the host for CPU tensors, compiled by numba
+where it is installed: `core.secular_jit`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
+
+from . import secular_jit
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,9 @@ _GUARDED = 3
 #: CPU tensors' secular solves run on the host (`solve_rms_fit`); `core.bench` turns this off
 #: while it counts host syncs, so that it counts what an accelerator would do
 HOST_MATH = True
+#: host solves run compiled by numba where it is installed (`core.secular_jit`: one call per
+#: layer instead of about 40 NumPy calls); off, or without numba, they run on NumPy arrays
+JIT = True
 
 
 def _fmin(a: Any, b: Any) -> Any:  # (NaN-ignoring, as torch.fmin)
@@ -224,6 +230,10 @@ class Poles:
     gap_out: Any  # the same, infinite at the minimisers (leaves them out of the edge sums)
     first_min: Any  # the first minimiser (the hard case puts the rest there)
     t_min: Any  # the smallest distance to the pole kept (mu stays below min m^2)
+    #: on the host, the rows m_scaled, m, m2, gap, gap_out in one (5, d) array and the first
+    #: minimiser's index, for the compiled solve (`core.secular_jit`); None on a device
+    table: Any = None
+    first: int = 0
 
 
 def poles(m: Tensor, on_host: bool | None = None) -> Poles:
@@ -236,10 +246,18 @@ def poles(m: Tensor, on_host: bool | None = None) -> Poles:
         m2_min = m2.min()
         at_min = m2 == m2_min
         gap = m2 - m2_min
-    return Poles(xp=xp, m=m64, m_scaled=m64 * (1.0 / math.sqrt(m64.shape[0])), m2=m2,
-                 m2_min=m2_min, at_min=np.flatnonzero(at_min) if xp is _HOST else at_min.double(),
-                 gap=gap, gap_out=xp.where(at_min, math.inf, gap), first_min=xp.first_min(m2),
-                 t_min=m2_min * 2.0**-52 + 2.0**-1074)
+        m_scaled = m64 * (1.0 / math.sqrt(m64.shape[0]))
+        gap_out = xp.where(at_min, math.inf, gap)
+    if xp is _DEVICE:
+        return Poles(xp=xp, m=m64, m_scaled=m_scaled, m2=m2, m2_min=m2_min,
+                     at_min=at_min.double(), gap=gap, gap_out=gap_out,
+                     first_min=xp.first_min(m2), t_min=m2_min * 2.0**-52 + 2.0**-1074)
+    table = np.stack([m_scaled, m64, m2, gap, gap_out])
+    m_scaled, m64, m2, gap, gap_out = table  # (views of it)
+    return Poles(xp=xp, m=m64, m_scaled=m_scaled, m2=m2, m2_min=m2_min,
+                 at_min=np.flatnonzero(at_min), gap=gap, gap_out=gap_out,
+                 first_min=xp.first_min(m2), t_min=m2_min * 2.0**-52 + 2.0**-1074, table=table,
+                 first=int(np.argmin(m2)))
 
 
 def _secular(p: Poles, g64: Any, steps: int) -> tuple[Any, Any, Any]:
@@ -346,6 +364,9 @@ def solve_rms_fit(g: Tensor, m: Tensor, steps: int = STEPS, on_host: bool | None
     numbers, where reading a value costs nothing: 4-5x faster at 640 coordinates (0.07 ms
     against 0.3 ms per call on this CPU), the same root to a few ulps. Each stage's sums (the
     bracket's three, each step's F, F', F'') are one product of a buffer's rows with itself.
+    On the host the same steps run compiled by numba where it is installed (`JIT`,
+    `core.secular_jit`): one call instead of about 40 NumPy calls, each of which pays a cold
+    start in a run (docs/PERFORMANCE.md, sessions 9-10).
 
     Hard case: when every coordinate attaining ``min m^2`` has ``g_k m_k = 0``, F may stay below 1
     up to ``min m^2``. Then ``mu = min m^2``, the other coordinates take the regular formula and the
@@ -365,10 +386,8 @@ def solve_rms_fit(g: Tensor, m: Tensor, steps: int = STEPS, on_host: bool | None
     if p.xp is _DEVICE:
         y, mu, hard = _secular(p, g.detach().double(), steps)
         return RmsFit(y=y, mu=mu, hard_case=hard)
-    with np.errstate(all="ignore"):  # (IEEE results wanted: inf, NaN)
-        y, mu, hard = _secular(p, _host64(g), steps)
-    return RmsFit(y=_from_host(y, torch.float64, g.device),
-                  mu=torch.tensor(float(mu), dtype=torch.float64, device=g.device),
+    y, mu, hard = _host_fit(p, g, steps, 1.0, False, torch.float64)
+    return RmsFit(y=y, mu=torch.tensor(float(mu), dtype=torch.float64, device=g.device),
                   hard_case=torch.tensor(bool(hard), device=g.device))
 
 
@@ -418,11 +437,33 @@ def _down_target(g: Tensor, p: Poles, c_rms: Tensor, raise_floor: bool) -> tuple
         y, _, hard = _secular(p, g.detach().double(), STEPS)
         c = c_rms.double()
         return (_raised(p.xp, y, c) if raise_floor else c * y).to(g.dtype), hard
-    with np.errstate(all="ignore"):  # (IEEE results wanted: inf, NaN)
-        y, _, hard = _secular(p, _host64(g), STEPS)
-        c = float(c_rms)
-        h = _raised(p.xp, y, c) if raise_floor else c * y
-    return _from_host(h, g.dtype, g.device), bool(hard)
+    h, _, hard = _host_fit(p, g, STEPS, float(c_rms), raise_floor, g.dtype)
+    return h, bool(hard)
+
+
+def _host_fit(p: Poles, g: Tensor, steps: int, scale: float, raise_floor: bool,
+              dtype: torch.dtype) -> tuple[Tensor, Any, Any]:
+    """``(scale * y, mu, hard)`` of the host solve, ``y`` raised (`_raised`) when
+    ``raise_floor``, as a tensor of ``dtype`` on ``g``'s device: compiled (`core.secular_jit`)
+    while `JIT` is on and numba is there (reading a CPU float32 or float64 ``g`` in place and
+    writing the result in ``dtype`` where it can), else `_secular` on NumPy arrays."""
+    fit = secular_jit.kernel() if JIT else None
+    if fit is None:
+        with np.errstate(all="ignore"):  # (IEEE results wanted: inf, NaN)
+            y, mu, hard = _secular(p, _host64(g), steps)
+            h = _raised(p.xp, y, scale) if raise_floor else scale * y
+        return _from_host(h, dtype, g.device), mu, hard
+    x = g.detach()
+    x = x.numpy() if x.device.type == "cpu" and x.dtype in _HOST_DTYPES else _host64(x)
+    direct = g.device.type == "cpu" and dtype in _HOST_DTYPES
+    h = np.empty(x.shape[0], dtype=_HOST_DTYPES[dtype] if direct else np.float64)
+    mu, hard = fit(x, p.table, p.at_min, p.first, float(p.m2_min), float(p.t_min), steps, scale,
+                   DIRECTION_FLOOR, raise_floor, h)
+    return (torch.from_numpy(h) if direct else torch.from_numpy(h).to(g.device, dtype)), mu, hard
+
+
+#: the dtypes a CPU tensor shares with NumPy here
+_HOST_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 #: `conditioned_scale` raises every ``|m_k|`` to at least this fraction of ``RMS(m)``

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from ctxpatch.core import patches
+from ctxpatch.core import patches, secular_jit
 from ctxpatch.core.patches import (
     matrix_output_patch,
     rank1_input_patch,
@@ -21,8 +21,19 @@ from ctxpatch.core.patches import (
 
 
 
-#: the secular solve on the host (NumPy, CPU tensors' default) and as on an accelerator (torch)
-HOST_OR_DEVICE = pytest.mark.parametrize("on_host", [True, False], ids=["host", "device"])
+#: the secular solve on the host compiled by numba (CPU tensors' default), on the host with
+#: NumPy (where numba is missing), and as on an accelerator (torch tensors)
+HOST_OR_DEVICE = pytest.mark.parametrize("on_host", ["jit", "numpy", "device"], indirect=True)
+
+
+@pytest.fixture
+def on_host(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Where the solve runs (`HOST_OR_DEVICE`): `patches.JIT` set, and the ``on_host`` argument."""
+    kind = request.param
+    if kind == "jit":
+        assert secular_jit.kernel() is not None, "numba is a dependency: the compiled solve must build"
+    monkeypatch.setattr(patches, "JIT", kind == "jit")
+    return kind != "device"
 
 
 @pytest.fixture(autouse=True)
@@ -306,3 +317,59 @@ def test_the_solve_takes_parameters(on_host: bool, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(patches, "HOST_MATH", on_host)  # (where the stable target solves)
     h, _ = stable_down_target(g, m, torch.tensor(1.5))
     assert torch.equal(h, stable_down_target(g.detach(), m.detach(), torch.tensor(1.5))[0])
+
+
+def _edge_secular_cases() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Inputs where the solve's IEEE conventions decide: zeros, NaN, infinities, overflowing
+    squares, ties at the pole, one coordinate, the hard case."""
+    yield torch.tensor([5.0, 0.1, 0.1, 0.1]), torch.tensor([0.0, 1.0, 2.0, 3.0])  # hard
+    yield torch.tensor([0.1, 5.0, 0.1, 3.0]), torch.tensor([3.0, 0.0, 2.0, 0.0])  # hard, tied
+    yield torch.zeros(6), torch.linspace(0.5, 2.0, 6)
+    yield torch.ones(6), torch.ones(6)  # every coordinate a minimiser
+    yield torch.tensor([2.0]), torch.tensor([0.5])
+    yield torch.tensor([1.0, math.nan, 2.0]), torch.tensor([1.0, 2.0, 3.0])
+    yield torch.tensor([1.0, math.inf, 2.0]), torch.tensor([1.0, 2.0, 3.0])
+    yield torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1e200, 2.0, 3.0])  # m^2 overflows
+    yield torch.tensor([1e-300, 2.0, 3.0]), torch.tensor([1e-160, 2.0, 3.0])
+    yield torch.tensor([0.0, 1.0, -1.0, 0.0]), torch.tensor([0.0, 0.0, 1.0, 2.0])  # a tied pole
+    for _, g, m in _random_secular_cases():
+        yield g, m
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, rel: float) -> bool:
+    """Equal NaN and infinity patterns, the finite entries within ``rel`` of the largest."""
+    if not torch.equal(a.isnan(), b.isnan()) or not torch.equal(a.isinf(), b.isinf()):
+        return False
+    fin = a.isfinite()
+    if not torch.equal(a[~fin & ~a.isnan()], b[~fin & ~b.isnan()]):
+        return False
+    size = float(a[fin].abs().max()) if bool(fin.any()) else 0.0
+    return bool(((a[fin] - b[fin]).abs() <= rel * max(size, 1e-300)).all())
+
+
+def test_the_compiled_solve_is_the_numpy_solve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`core.secular_jit` against `_secular` on NumPy: the fit, its root, the hard case and the
+    stable target (floor, RMS), on regular inputs and on those where NaN, infinities and ties
+    decide; only the order of the sums differs."""
+    assert secular_jit.kernel() is not None
+    checked = 0
+    for case, (g, m) in enumerate(_edge_secular_cases()):
+        runs = {}
+        for jit in (True, False):
+            monkeypatch.setattr(patches, "JIT", jit)
+            with torch.no_grad():
+                runs[jit] = (solve_rms_fit(g, m, on_host=True),
+                             stable_down_target(g, m, torch.tensor(1.5), patches.poles(
+                                 patches.conditioned_scale(m.double()), on_host=True)))
+        (fit, (h, hard)), (ref, (h_ref, hard_ref)) = runs[True], runs[False]
+        assert bool(fit.hard_case) == bool(ref.hard_case) and hard == hard_ref, case
+        # mu to 1e-6 of its distance to the pole where the root sits near it (F flat in mu
+        # there: the sums' order moves it; the bisection test's tolerance), y to 1e-12
+        mu, mu_ref, pole = float(fit.mu), float(ref.mu), float(m.double().pow(2).min())
+        assert _same(torch.tensor([mu]), torch.tensor([mu_ref]), math.inf), (case, mu, mu_ref)
+        assert not math.isfinite(mu) or abs(mu - mu_ref) <= 1e-6 * max(
+            abs(mu_ref), pole - mu_ref), (case, mu, mu_ref)
+        assert _same(fit.y, ref.y, 1e-12), (case, fit.y, ref.y)
+        assert _same(h, h_ref, 1e-12), (case, h, h_ref)
+        checked += 1
+    assert checked > 100

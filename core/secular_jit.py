@@ -1,0 +1,164 @@
+"""The stable update's secular solve on the host, compiled by numba (`kernel`).
+
+On a CPU the per-layer cost of the stable update is cold (docs/PERFORMANCE.md, session 9): each
+layer's hooks run right after its weights have streamed through the caches, and every distinct
+NumPy operation then pays 15-60 us on its first call. `core.patches._secular` on NumPy arrays
+makes about 40 such calls per layer; compiled, the same solve is one call (session 10: the stable
+post-norm hook about 300 us cheaper per layer on the demo).
+
+`_fit` is `core.patches._secular` followed by `core.patches._raised`, step for step, with the same
+IEEE conventions (``fmin``/``fmax`` ignore NaN, ``maximum`` propagates it, divisions by zero give
+infinities: numba's ``error_model="numpy"``); only the order of the sums differs (loops here,
+BLAS there), so the two agree to a few ulps (tests/core/test_patches.py runs every solve test on
+both). Compiled at first use (about 1.5 s), then cached on disk by numba; where numba is missing
+or cannot compile, `kernel` returns None and the NumPy path runs.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any, Callable
+
+import numpy as np
+
+#: `core.patches._GUARDED`, repeated here so that the compiled function reads a constant
+_GUARDED = 3
+_lock = threading.Lock()
+_built: list[Any] = []  # [the compiled kernel, or None]
+
+
+def _fmin(a: float, b: float) -> float:
+    return b if a != a else a if b != b else min(a, b)
+
+
+def _fmax(a: float, b: float) -> float:
+    return b if a != a else a if b != b else max(a, b)
+
+
+def _maximum(a: float, b: float) -> float:
+    return a if (a != a or a > b) else b
+
+
+def _fit(g: np.ndarray, table: np.ndarray, at_min: np.ndarray, first: int, m2_min: float,
+         t_min: float, steps: int, scale: float, floor: float, raise_floor: bool, h: np.ndarray
+         ) -> tuple[float, bool]:
+    """``(mu, hard)``, and into ``h`` (float32 or float64) ``scale`` times the fit ``y`` (raised
+    to ``floor`` and put back on the RMS sphere when ``raise_floor``), as `core.patches._secular`
+    and `_raised` in float64 (``g`` float32 or float64). ``table`` holds the poles' rows
+    ``m / sqrt(n), m, m^2, gap, gap_out`` (`core.patches.Poles.table`)."""
+    n = g.shape[0]
+    m_scaled, m, m2, gap, gap_out = table[0], table[1], table[2], table[3], table[4]
+    gms = np.empty(n)
+    s00 = 0.0
+    s11 = 0.0
+    s12 = 0.0
+    edge = -math.inf  # max(|g m| / sqrt(n) - gap), NaN propagated as NumPy's max
+    for i in range(n):
+        v = np.float64(g[i]) * m_scaled[i]
+        gms[i] = v
+        e = v / gap_out[i]
+        e2 = e / gap_out[i]
+        s00 += v * v
+        s11 += e * e
+        s12 += e * e2
+        w = abs(v) - gap[i]
+        if edge == edge and (w != w or w > edge):
+            edge = w
+    short = n - n * s11
+    a = 0.0
+    pole_nonzero = False
+    for j in at_min:
+        a += gms[j] * gms[j]
+        pole_nonzero = pole_nonzero or gms[j] != 0.0
+    hard = short >= 0.0 and not pole_nonzero
+    rest = _maximum(short, abs(0.0 * short)) ** 0.5
+    pole = (n * a) ** 0.5
+    t_hi = _maximum(_fmin(s00 ** 0.5, pole / rest), t_min)
+    tangent = short / (-2.0 * n * s12)
+    t_lo = _maximum(_fmax(edge, tangent), t_min)
+    t = t_lo ** 0.5 * t_hi ** 0.5
+    for k in range(steps):
+        f = 0.0
+        s3 = 0.0
+        s4 = 0.0
+        for i in range(n):
+            d = gap[i] + t
+            y = gms[i] / d
+            yd = y / d
+            f += y * y
+            s3 += y * yd
+            s4 += yd * yd
+        s3s3 = s3 * s3
+        t_next = t + (s3s3 * (s3s3 + s4 * (1.0 - f)) ** -0.5 - s3) / s4
+        if k < _GUARDED:
+            below = f < 1.0
+            if below:
+                t_hi = t
+            else:
+                t_lo = t
+            inside = _fmin(_fmax(t_next, t_lo), t_hi)
+            t = inside if abs(inside - t_next) <= t * 2.0**-30 else t_lo ** 0.5 * t_hi ** 0.5
+        else:
+            settled = abs(t_next - t) <= t * 2.0**-50
+            t = _fmax(_fmin(t_next, t_hi), t_lo)
+            if settled:
+                break
+    mu = m2_min - t
+    if m2_min - mu < t:
+        mu = np.nextafter(mu, -math.inf)
+    out = np.empty(n)
+    for i in range(n):
+        out[i] = np.float64(g[i]) * m[i] / (m2[i] - mu)
+    if hard:
+        mu = m2_min
+        for i in range(n):
+            out[i] = rest if i == first else np.float64(g[i]) * m[i] / gap_out[i]
+    if raise_floor:
+        ss = 0.0
+        for i in range(n):
+            v = math.copysign(_maximum(abs(out[i]), floor), out[i])
+            out[i] = v
+            ss += v * v
+        scale = scale * (ss / n) ** -0.5
+    for i in range(n):
+        h[i] = out[i] * scale  # (rounded as NumPy's astype where h is float32)
+    return mu, hard
+
+
+def kernel() -> Callable[..., tuple[float, bool]] | None:
+    """`_fit` compiled by numba (built at the first call, cached on disk where numba can), or
+    None where numba is missing or fails to compile (the caller then solves with NumPy)."""
+    with _lock:
+        if not _built:
+            _built.append(_build())
+        return _built[0]
+
+
+def _build() -> Callable[..., tuple[float, bool]] | None:
+    try:
+        import numba
+    except Exception:  # (missing, or an llvmlite that does not load)
+        return None
+    helpers = {f: numba.njit(inline="always", error_model="numpy")(f)
+               for f in (_fmin, _fmax, _maximum)}
+    for cache in (True, False):  # (caching needs a writable folder: numba's own, or none)
+        try:
+            fit = _rebound(_fit, helpers)
+            compiled = numba.njit(cache=cache, error_model="numpy", nogil=True)(fit)
+            for dtype in (np.float32, np.float64):  # (float32 patches; float64 models, fits)
+                compiled(np.ones(2, dtype), np.ones((5, 2)), np.zeros(1, dtype=np.intp), 0,
+                         1.0, 1e-300, 1, 1.0, 1e-2, True, np.empty(2, dtype))
+            return compiled
+        except Exception:
+            continue
+    return None
+
+
+def _rebound(f: Any, helpers: dict[Any, Any]) -> Any:
+    """``f`` with the helpers it calls replaced by their compiled versions (a new function over
+    new globals, so the plain ``f`` stays plain Python)."""
+    import types
+    scope = dict(f.__globals__)
+    scope.update({h.__name__: c for h, c in helpers.items()})
+    return types.FunctionType(f.__code__, scope, f.__name__, f.__defaults__)
