@@ -49,6 +49,7 @@ from ctxpatch.core.patches import (
     Delta,
     Patch,
     Rank1,
+    down_patch_row,
     either,
     fit_down_target,
     matrix_output_patch,
@@ -346,37 +347,47 @@ class _LayerPatcher:
             self.result.patches[self.name(module, "bias")] = d
             out = (y.to(d.delta.dtype) + d.delta).to(y.dtype)
             return keep_patched_rows(y, out, spec.last_only, spec.batch)
-        r, x_q, y_q = self._out_matrix_rank1(module, x, y)
+        one_row = acts_on_one_row(y, spec.last_only, spec.batch)
+        r, x_q, y_q, row = self._out_matrix_rank1(module, x, y, one_row)
+        if row is not None:
+            return with_last_row(y, row)
         return rank1_action(x, y, r, spec.last_only, spec.batch,
                             rows=None if y_q is None else (x_q, y_q))
 
-    def _out_matrix_rank1(self, module: nn.Module, x: Tensor, y: Tensor
-                          ) -> tuple[Rank1, Tensor, Tensor | None]:
+    def _out_matrix_rank1(self, module: nn.Module, x: Tensor, y: Tensor, one_row: bool
+                          ) -> tuple[Rank1, Tensor, Tensor | None, Tensor | None]:
         """The output matrix's rank-1 patch (kinds "matrix", "fit", "stable"), kept in the
-        result, with the query rows of ``x`` and (but for "matrix") ``y`` it read."""
-        x_q, y_q = query_row(x, self.dtype), None
+        result, with the query rows of ``x`` and (but for "matrix") ``y`` it read, and where
+        the patch acts on that ``one_row`` alone and `down_patch_row` could compute it, the
+        patched row (in the patch dtype; else None)."""
+        x_q, y_q, row = query_row(x, self.dtype), None, None
         if self.kind == "matrix":
-            shift = self.shift() / self.s.branch_scale
+            r = matrix_output_patch(self.shift() / self.s.branch_scale, x_q)
         else:
             # Appendix B's fit of the down output under the norm; with kind "fit" the scale
             # stays frozen and the fit's residual is left over (PAPER.md section 7)
             assert self.s.out_norm is not None and self.t.down is not None
             m = self._scale()
             self.g = self.shift() + self.t.branch
-            c_rms = self.t.down.pow(2).mean().sqrt()
             key = (self.index, self.kind)  # (the poles of m, or of its conditioned copy)
             if key not in self.memo:
                 self.memo[key] = poles(m) if self.kind == "fit" else stable_poles(m)
-            target = fit_down_target if self.kind == "fit" else stable_down_target
-            h_target, hard = target(self.g, m, c_rms, self.memo[key])
-            self.result.hard_case = hard
             y_q = query_row(y, self.dtype)
-            shift = h_target - y_q
-        r = matrix_output_patch(shift, x_q)
+            done = None
+            if one_row and self.spec.stored_dtype in (None, self.dtype):  # (no rounding)
+                done = down_patch_row(self.g, self.t.down, x_q, y_q, self.memo[key],
+                                      raise_floor=self.kind == "stable")
+            if done is not None:
+                r, row, self.result.hard_case = done
+            else:
+                target = fit_down_target if self.kind == "fit" else stable_down_target
+                c_rms = self.t.down.pow(2).mean().sqrt()
+                h_target, self.result.hard_case = target(self.g, m, c_rms, self.memo[key])
+                r = matrix_output_patch(h_target - y_q, x_q)
         self.result.zero_h = either(self.result.zero_h, r.void)  # (then a = 0: no change)
         r = self.rank1(r)
         self.result.patches[self.name(module, "weight")] = r
-        return r, x_q, y_q
+        return r, x_q, y_q, row
 
     def _norm_weight(self) -> Tensor:
         """The post-norm's weight in the patch dtype (once per run)."""
@@ -406,11 +417,12 @@ class _LayerPatcher:
                     "the stable update and the fit need separate passes (control_row "
                     "'separate')")
             assert self.s.out_matrix is not None
-            r, x_q, y_q = self._out_matrix_rank1(self.s.out_matrix, x, y)
-            if acts_on_one_row(y, self.spec.last_only, self.spec.batch):  # (its row alone)
+            one_row = acts_on_one_row(y, self.spec.last_only, self.spec.batch)
+            r, x_q, y_q, row = self._out_matrix_rank1(self.s.out_matrix, x, y, one_row)
+            if one_row:  # (its row alone)
                 assert y_q is not None
-                h = rank1_row(x_q, y_q, r).to(y.dtype)  # (as the model holds it)
-                h_q = h.to(self.dtype)
+                h = (rank1_row(x_q, y_q, r) if row is None else row).to(y.dtype)  # (as the
+                h_q = h.to(self.dtype)  # model holds it)
             else:
                 h = rank1_action(x, y, r, self.spec.last_only, self.spec.batch)
             if self.kind == "fit":  # (the scale stays frozen)

@@ -447,8 +447,8 @@ def _host_fit(p: Poles, g: Tensor, steps: int, scale: float, raise_floor: bool,
     ``raise_floor``, as a tensor of ``dtype`` on ``g``'s device: compiled (`core.secular_jit`)
     while `JIT` is on and numba is there (reading a CPU float32 or float64 ``g`` in place and
     writing the result in ``dtype`` where it can), else `_secular` on NumPy arrays."""
-    fit = secular_jit.kernel() if JIT else None
-    if fit is None:
+    jit = secular_jit.kernel() if JIT else None
+    if jit is None:
         with np.errstate(all="ignore"):  # (IEEE results wanted: inf, NaN)
             y, mu, hard = _secular(p, _host64(g), steps)
             h = _raised(p.xp, y, scale) if raise_floor else scale * y
@@ -457,9 +457,40 @@ def _host_fit(p: Poles, g: Tensor, steps: int, scale: float, raise_floor: bool,
     x = x.numpy() if x.device.type == "cpu" and x.dtype in _HOST_DTYPES else _host64(x)
     direct = g.device.type == "cpu" and dtype in _HOST_DTYPES
     h = np.empty(x.shape[0], dtype=_HOST_DTYPES[dtype] if direct else np.float64)
-    mu, hard = fit(x, p.table, p.at_min, p.first, float(p.m2_min), float(p.t_min), steps, scale,
-                   DIRECTION_FLOOR, raise_floor, h)
+    mu, hard = jit.fit(x, p.table, p.at_min, p.first, float(p.m2_min), float(p.t_min), steps,
+                       scale, DIRECTION_FLOOR, raise_floor, h)
     return (torch.from_numpy(h) if direct else torch.from_numpy(h).to(g.device, dtype)), mu, hard
+
+
+def down_patch_row(g: Tensor, down: Tensor, x: Tensor, y: Tensor, fitted: Poles,
+                   raise_floor: bool) -> tuple[Rank1, Tensor, bool] | None:
+    """The down matrix's patch of the stable update (``raise_floor``, `stable_down_target`) or
+    of the fit (`fit_down_target`) at one row, and the row it makes, in one compiled call
+    (`core.secular_jit`): what ``matrix_output_patch(target - y, x)`` and its action
+    ``y + u (a . x)`` give, computed in float64 (a few cold operations less per layer than
+    composing them from tensors). None where that call is not available: a solve not on the
+    host, `JIT` off or numba missing, or vectors that are not CPU float32 or float64 of one dtype.
+
+    Args:
+        g: (d,) target branch output, as for `stable_down_target`.
+        down: (d,) the full context's down output ``h_down,C`` (its RMS is the target's).
+        x: (f,) the down matrix's input at the row; y: (d,) its output there.
+        fitted: the poles of the scale (`stable_poles`, or `poles` for the fit).
+
+    Returns:
+        ``(Rank1(u, a, void), row, hard_case)`` in the vectors' dtype.
+    """
+    vectors = (g, down, x, y)
+    jit = secular_jit.kernel() if JIT and fitted.xp is _HOST else None
+    if jit is None or g.dtype not in _HOST_DTYPES or any(
+            v.device.type != "cpu" or v.dtype != g.dtype or v.dim() != 1 for v in vectors):
+        return None
+    u, a, row = (torch.empty_like(y), torch.empty_like(x), torch.empty_like(y))
+    _, hard, void = jit.down_row(*(v.detach().numpy() for v in vectors), fitted.table,
+                                 fitted.at_min, fitted.first, float(fitted.m2_min),
+                                 float(fitted.t_min), STEPS, DIRECTION_FLOOR, raise_floor,
+                                 u.numpy(), a.numpy(), row.numpy())
+    return Rank1(u=u, a=a, void=torch.tensor(void)), row, bool(hard)
 
 
 #: the dtypes a CPU tensor shares with NumPy here

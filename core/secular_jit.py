@@ -1,31 +1,37 @@
-"""The stable update's secular solve on the host, compiled by numba (`kernel`).
+"""The stable update's per-layer host arithmetic, compiled by numba (`kernel`).
 
 On a CPU the per-layer cost of the stable update is cold (docs/PERFORMANCE.md, session 9): each
 layer's hooks run right after its weights have streamed through the caches, and every distinct
-NumPy operation then pays 15-60 us on its first call. `core.patches._secular` on NumPy arrays
-makes about 40 such calls per layer; compiled, the same solve is one call (session 10: the stable
-post-norm hook about 300 us cheaper per layer on the demo).
+NumPy or torch operation then pays a cold start on its first call (15-60 us for NumPy's).
+`core.patches._secular` on NumPy arrays makes about 40 such calls per layer; compiled, the solve
+is one call, and with the down matrix's patch and its patched row (`_down_row`) one call
+replaces about a dozen torch operations more (session 10: the stable update's extra cost per
+layer on the demo, in bfloat16, from about 260 us to about 110).
 
-`_fit` is `core.patches._secular` followed by `core.patches._raised`, step for step, with the same
-IEEE conventions (``fmin``/``fmax`` ignore NaN, ``maximum`` propagates it, divisions by zero give
-infinities: numba's ``error_model="numpy"``); only the order of the sums differs (loops here,
-BLAS there), so the two agree to a few ulps (tests/core/test_patches.py runs every solve test on
-both). Compiled at first use (about 1.5 s), then cached on disk by numba; where numba is missing
-or cannot compile, `kernel` returns None and the NumPy path runs.
+- `_fit` is `core.patches._secular` followed by `core.patches._raised`, step for step, with the
+  same IEEE conventions (``fmin``/``fmax`` ignore NaN, ``maximum`` propagates it, divisions by
+  zero give infinities: numba's ``error_model="numpy"``); only the order of the sums differs
+  (loops here, BLAS there), so the two agree to a few ulps.
+- `_down_row` is `_fit` on the target's RMS, then `core.patches.matrix_output_patch` and
+  `core.activations.rank1_row`, in float64 rounded once to the patch dtype.
+
+tests/core/test_patches.py runs every solve test compiled and on NumPy and compares both
+functions with what they replace; tests/core/test_control_row.py compares whole runs. Compiled
+at first use (about 1.5 s), then cached on disk by numba; where numba is missing or cannot
+compile, `kernel` returns None and the NumPy and torch code runs.
 """
-
 from __future__ import annotations
 
 import math
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
 #: `core.patches._GUARDED`, repeated here so that the compiled function reads a constant
 _GUARDED = 3
 _lock = threading.Lock()
-_built: list[Any] = []  # [the compiled kernel, or None]
+_built: list[Any] = []  # [the compiled `Kernels`, or None]
 
 
 def _fmin(a: float, b: float) -> float:
@@ -126,39 +132,80 @@ def _fit(g: np.ndarray, table: np.ndarray, at_min: np.ndarray, first: int, m2_mi
     return mu, hard
 
 
-def kernel() -> Callable[..., tuple[float, bool]] | None:
-    """`_fit` compiled by numba (built at the first call, cached on disk where numba can), or
-    None where numba is missing or fails to compile (the caller then solves with NumPy)."""
+def _down_row(g: np.ndarray, down: np.ndarray, x: np.ndarray, y: np.ndarray, table: np.ndarray,
+              at_min: np.ndarray, first: int, m2_min: float, t_min: float, steps: int,
+              floor: float, raise_floor: bool, u: np.ndarray, a: np.ndarray, row: np.ndarray
+              ) -> tuple[float, bool, bool]:
+    """The down matrix's patch of the stable update (``raise_floor``) or the fit for one row,
+    as `core.engine` composes it from `core.patches`: the target ``h = RMS(down) y`` of
+    `_fit`, then into ``u``, ``a`` the rank-1 patch ``matrix_output_patch(h - y, x)`` (``a = 0``
+    where ``x = 0``: void) and into ``row`` its action ``y + u (a . x)`` on the row, from the
+    stored ``u`` and ``a``; ``(mu, hard, void)``. Arrays of the patch dtype (float32 or float64),
+    computed in float64."""
+    n = g.shape[0]
+    ss = 0.0
+    for i in range(down.shape[0]):
+        ss += np.float64(down[i]) * np.float64(down[i])
+    h = np.empty(n)
+    mu, hard = _fit(g, table, at_min, first, m2_min, t_min, steps, (ss / down.shape[0]) ** 0.5,
+                    floor, raise_floor, h)
+    xx = 0.0
+    for i in range(x.shape[0]):
+        xx += np.float64(x[i]) * np.float64(x[i])
+    void = xx <= 0.0
+    inv = 1.0 / (1.0 if void else xx)
+    dot = 0.0
+    for i in range(x.shape[0]):
+        a[i] = np.float64(x[i]) * inv
+        dot += np.float64(a[i]) * np.float64(x[i])
+    for i in range(n):
+        u[i] = h[i] - np.float64(y[i])
+        row[i] = np.float64(y[i]) + np.float64(u[i]) * dot
+    return mu, hard, void
+
+
+class Kernels(NamedTuple):
+    fit: Callable[..., tuple[float, bool]]  # `_fit`
+    down_row: Callable[..., tuple[float, bool, bool]]  # `_down_row`
+
+
+def kernel() -> Kernels | None:
+    """`_fit` and `_down_row` compiled by numba (built at the first call, cached on disk where
+    numba can), or None where numba is missing or fails to compile (the caller then computes
+    with NumPy and torch)."""
     with _lock:
         if not _built:
             _built.append(_build())
         return _built[0]
 
 
-def _build() -> Callable[..., tuple[float, bool]] | None:
+def _build() -> Kernels | None:
     try:
         import numba
     except Exception:  # (missing, or an llvmlite that does not load)
         return None
-    helpers = {f: numba.njit(inline="always", error_model="numpy")(f)
-               for f in (_fmin, _fmax, _maximum)}
     for cache in (True, False):  # (caching needs a writable folder: numba's own, or none)
         try:
-            fit = _rebound(_fit, helpers)
-            compiled = numba.njit(cache=cache, error_model="numpy", nogil=True)(fit)
+            scope = {f.__name__: numba.njit(inline="always", error_model="numpy")(f)
+                     for f in (_fmin, _fmax, _maximum)}
+            jit = numba.njit(cache=cache, error_model="numpy", nogil=True)
+            scope["_fit"] = fit = jit(_rebound(_fit, scope))
+            down_row = jit(_rebound(_down_row, scope))
+            poles = (np.ones((5, 2)), np.zeros(1, dtype=np.intp), 0, 1.0, 1e-300, 1)
             for dtype in (np.float32, np.float64):  # (float32 patches; float64 models, fits)
-                compiled(np.ones(2, dtype), np.ones((5, 2)), np.zeros(1, dtype=np.intp), 0,
-                         1.0, 1e-300, 1, 1.0, 1e-2, True, np.empty(2, dtype))
-            return compiled
+                v = np.ones(2, dtype)
+                fit(v, *poles, 1.0, 1e-2, True, np.empty(2, dtype))
+                down_row(v, v, v, v, *poles, 1e-2, True, *(np.empty(2, dtype) for _ in "uar"))
+            return Kernels(fit, down_row)
         except Exception:
             continue
     return None
 
 
-def _rebound(f: Any, helpers: dict[Any, Any]) -> Any:
-    """``f`` with the helpers it calls replaced by their compiled versions (a new function over
-    new globals, so the plain ``f`` stays plain Python)."""
+def _rebound(f: Any, scope: dict[str, Any]) -> Any:
+    """``f`` over a copy of its globals updated with ``scope`` (the compiled versions of what it
+    calls), so that the plain ``f`` stays plain Python."""
     import types
-    scope = dict(f.__globals__)
-    scope.update({h.__name__: c for h, c in helpers.items()})
-    return types.FunctionType(f.__code__, scope, f.__name__, f.__defaults__)
+    names = dict(f.__globals__)
+    names.update(scope)
+    return types.FunctionType(f.__code__, names, f.__name__, f.__defaults__)

@@ -16,6 +16,7 @@ import torch
 from tiny import TINY, gemma3_config, tiny_config, tiny_loaded
 from tiny_hybrid import ALL_LAYERS_ONLY
 
+from ctxpatch.core import engine, patches
 from ctxpatch.core.adapters import REGISTRY
 from ctxpatch.core.compare import Settings, batched_control, iter_token_patches
 from ctxpatch.core.forward import attention_only
@@ -252,3 +253,40 @@ def test_a_cache_too_large_to_copy_keeps_the_passes(monkeypatch) -> None:  # typ
     for a, b in zip(one, kept, strict=True):
         assert a.baseline_token == b.baseline_token
         assert abs(a.patched.linf - b.patched.linf) <= SAME * b.logit_scale
+
+
+@pytest.mark.parametrize("name", _post_norm_families())
+@pytest.mark.parametrize("method,control", [("stable", "scale"), ("direct", "matrix")])
+def test_the_compiled_down_row_is_the_composed_one(name: str, method: str, control: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`core.patches.down_patch_row` (the down matrix's patch of the stable update or the fit and
+    its patched row in one compiled call, at the steps that patch one row) against the same
+    composed from tensors (`patches.JIT` off): the same patches and patched logits in float64;
+    and the compiled call did run."""
+    loaded = _loaded(name)
+    sites = [loaded.adapter.sites(layer) for layer in loaded.adapter.layers(loaded.model)]
+    if not any(s.out_matrix is not None and s.out_norm is not None for s in sites):
+        pytest.skip("no down matrix under a post-norm")
+    calls: list[bool] = []
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = real(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    real = engine.down_patch_row
+    monkeypatch.setattr(engine, "down_patch_row", spy)
+    kw = {"method": method, "output_control": control, "control": False}
+    compiled = _steps(loaded, **kw)
+    assert calls and all(calls)
+    monkeypatch.setattr(patches, "JIT", False)
+    calls.clear()
+    composed = _steps(loaded, **kw)
+    assert calls and not any(calls)
+    for a, b in zip(compiled, composed, strict=True):
+        assert a.baseline_token == b.baseline_token
+        assert abs(a.patched.linf - b.patched.linf) <= SAME * b.logit_scale
+        assert a.patches is not None and b.patches is not None
+        assert a.patches.keys() == b.patches.keys()
+        for key, value in a.patches.items():
+            np.testing.assert_allclose(value, b.patches[key], rtol=1e-10, atol=1e-13)

@@ -10,6 +10,7 @@ import torch
 
 from ctxpatch.core import patches, secular_jit
 from ctxpatch.core.patches import (
+    down_patch_row,
     matrix_output_patch,
     rank1_input_patch,
     reachable_shift_bound,
@@ -17,6 +18,7 @@ from ctxpatch.core.patches import (
     scale_patch,
     solve_rms_fit,
     stable_down_target,
+    stable_poles,
 )
 
 
@@ -373,3 +375,40 @@ def test_the_compiled_solve_is_the_numpy_solve(monkeypatch: pytest.MonkeyPatch) 
         assert _same(h, h_ref, 1e-12), (case, h, h_ref)
         checked += 1
     assert checked > 100
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("raise_floor", [True, False], ids=["stable", "fit"])
+def test_the_compiled_down_row_is_the_composed_one(dtype: torch.dtype, raise_floor: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`patches.down_patch_row` against the composition it replaces at a decoding step (the
+    target of `stable_down_target` or `fit_down_target`, `matrix_output_patch` of its shift
+    from the row, the patch's action on the row): the same vectors to the dtype's rounding; a
+    zero input row is void (``a = 0``, the row unchanged); None where it cannot run."""
+    gen = torch.Generator().manual_seed(3)
+    rel = 1e-6 if dtype == torch.float32 else 1e-12
+    for trial in range(30):
+        m, g, down, y = (torch.randn(16, generator=gen) * s for s in (1.0, 2.0, 0.5, 3.0))
+        m[trial % 16] *= 1e-3 if trial % 3 else 0.0  # (a scale the conditioning raises)
+        x = torch.zeros(40) if trial == 0 else torch.randn(40, generator=gen)
+        g, down, x, y, m = (v.to(dtype) for v in (g, down, x, y, m))
+        fitted = stable_poles(m) if raise_floor else patches.poles(m)
+        out = down_patch_row(g, down, x, y, fitted, raise_floor)
+        assert out is not None
+        r, row, hard = out
+        target = stable_down_target if raise_floor else patches.fit_down_target
+        h, hard_ref = target(g, m, down.pow(2).mean().sqrt(), fitted)
+        ref = matrix_output_patch(h - y, x)
+        size = float(torch.maximum(h.abs().max(), y.abs().max()))
+        assert hard == bool(hard_ref) and bool(r.void) == bool(ref.void) == (trial == 0)
+        assert r.u.dtype == r.a.dtype == row.dtype == dtype
+        assert float((r.u - ref.u).abs().max()) <= rel * size, trial
+        assert torch.allclose(r.a, ref.a, rtol=rel, atol=0.0), trial
+        assert float((row - (y + (x @ ref.a) * ref.u)).abs().max()) <= 4 * rel * size, trial
+        if trial == 0:
+            assert torch.equal(row, y)
+    assert down_patch_row(g, down.double() if dtype == torch.float32 else down.float(), x, y,
+                          fitted, raise_floor) is None
+    assert down_patch_row(g, down, x, y, patches.poles(m, on_host=False), raise_floor) is None
+    monkeypatch.setattr(patches, "JIT", False)
+    assert down_patch_row(g, down, x, y, fitted, raise_floor) is None
