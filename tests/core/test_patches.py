@@ -33,7 +33,7 @@ def on_host(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     """Where the solve runs (`HOST_OR_DEVICE`): `patches.JIT` set, and the ``on_host`` argument."""
     kind = request.param
     if kind == "jit":
-        assert secular_jit.kernel() is not None, "numba is a dependency: the compiled solve must build"
+        assert secular_jit.kernel() is not None, "numba is a dependency: the solve must compile"
     monkeypatch.setattr(patches, "JIT", kind == "jit")
     return kind != "device"
 
