@@ -453,12 +453,13 @@ def _host_fit(p: Poles, g: Tensor, steps: int, scale: float, raise_floor: bool,
             y, mu, hard = _secular(p, _host64(g), steps)
             h = _raised(p.xp, y, scale) if raise_floor else scale * y
         return _from_host(h, dtype, g.device), mu, hard
-    x = g.detach()
-    x = x.numpy() if x.device.type == "cpu" and x.dtype in _HOST_DTYPES else _host64(x)
+    if g.shape != p.m.shape:  # (the compiled loops do not check bounds)
+        raise ValueError(f"the target has shape {tuple(g.shape)}, the scale {p.m.shape}")
     direct = g.device.type == "cpu" and dtype in _HOST_DTYPES
-    h = np.empty(x.shape[0], dtype=_HOST_DTYPES[dtype] if direct else np.float64)
+    x = _compiled_input(g, dtype if direct else torch.float64)
+    h = np.empty(x.shape[0], dtype=x.dtype)
     mu, hard = jit.fit(x, p.table, p.at_min, p.first, float(p.m2_min), float(p.t_min), steps,
-                       scale, DIRECTION_FLOOR, raise_floor, h)
+                       _GUARDED, scale, DIRECTION_FLOOR, raise_floor, h)
     return (torch.from_numpy(h) if direct else torch.from_numpy(h).to(g.device, dtype)), mu, hard
 
 
@@ -483,18 +484,29 @@ def down_patch_row(g: Tensor, down: Tensor, x: Tensor, y: Tensor, fitted: Poles,
     vectors = (g, down, x, y)
     jit = secular_jit.kernel() if JIT and fitted.xp is _HOST else None
     if jit is None or g.dtype not in _HOST_DTYPES or any(
-            v.device.type != "cpu" or v.dtype != g.dtype or v.dim() != 1 for v in vectors):
-        return None
+            v.device.type != "cpu" or v.dtype != g.dtype or v.dim() != 1 or not v.numel()
+            or not v.is_contiguous() for v in vectors) or not g.shape == y.shape == fitted.m.shape:
+        return None  # (the compiled loops do not check bounds: the composition then raises)
     u, a, row = (torch.empty_like(y), torch.empty_like(x), torch.empty_like(y))
     _, hard, void = jit.down_row(*(v.detach().numpy() for v in vectors), fitted.table,
                                  fitted.at_min, fitted.first, float(fitted.m2_min),
-                                 float(fitted.t_min), STEPS, DIRECTION_FLOOR, raise_floor,
-                                 u.numpy(), a.numpy(), row.numpy())
+                                 float(fitted.t_min), STEPS, _GUARDED, DIRECTION_FLOOR,
+                                 raise_floor, u.numpy(), a.numpy(), row.numpy())
     return Rank1(u=u, a=a, void=torch.tensor(void)), row, bool(hard)
 
 
 #: the dtypes a CPU tensor shares with NumPy here
 _HOST_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+def _compiled_input(x: Tensor, dtype: torch.dtype) -> np.ndarray:
+    """``x`` as a contiguous NumPy array of ``dtype`` (float32 or float64), shared where it
+    already is one on the CPU: the compiled functions exist for those two layouts (another
+    would compile at the call)."""
+    x = x.detach()
+    if x.device.type != "cpu" or x.dtype != dtype or not x.is_contiguous():
+        x = x.to("cpu", dtype).contiguous()
+    return x.numpy()
 
 
 #: `conditioned_scale` raises every ``|m_k|`` to at least this fraction of ``RMS(m)``

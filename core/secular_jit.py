@@ -17,19 +17,21 @@ layer on the demo, in bfloat16, from about 260 us to about 110).
 
 tests/core/test_patches.py runs every solve test compiled and on NumPy and compares both
 functions with what they replace; tests/core/test_control_row.py compares whole runs. Compiled
-at first use (about 1.5 s), then cached on disk by numba; where numba is missing or cannot
+at first use (about 4 s: two functions, for float32 and float64), then cached on disk by numba
+(where no folder is writable, compiled in every process); where numba is missing or cannot
 compile, `kernel` returns None and the NumPy and torch code runs.
 """
+
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-#: `core.patches._GUARDED`, repeated here so that the compiled function reads a constant
-_GUARDED = 3
+_log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _built: list[Any] = []  # [the compiled `Kernels`, or None]
 
@@ -47,8 +49,8 @@ def _maximum(a: float, b: float) -> float:
 
 
 def _fit(g: np.ndarray, table: np.ndarray, at_min: np.ndarray, first: int, m2_min: float,
-         t_min: float, steps: int, scale: float, floor: float, raise_floor: bool, h: np.ndarray
-         ) -> tuple[float, bool]:
+         t_min: float, steps: int, guarded: int, scale: float, floor: float, raise_floor: bool,
+         h: np.ndarray) -> tuple[float, bool]:
     """``(mu, hard)``, and into ``h`` (float32 or float64) ``scale`` times the fit ``y`` (raised
     to ``floor`` and put back on the RMS sphere when ``raise_floor``), as `core.patches._secular`
     and `_raised` in float64 (``g`` float32 or float64). ``table`` holds the poles' rows
@@ -97,7 +99,7 @@ def _fit(g: np.ndarray, table: np.ndarray, at_min: np.ndarray, first: int, m2_mi
             s4 += yd * yd
         s3s3 = s3 * s3
         t_next = t + (s3s3 * (s3s3 + s4 * (1.0 - f)) ** -0.5 - s3) / s4
-        if k < _GUARDED:
+        if k < guarded:
             below = f < 1.0
             if below:
                 t_hi = t
@@ -134,8 +136,8 @@ def _fit(g: np.ndarray, table: np.ndarray, at_min: np.ndarray, first: int, m2_mi
 
 def _down_row(g: np.ndarray, down: np.ndarray, x: np.ndarray, y: np.ndarray, table: np.ndarray,
               at_min: np.ndarray, first: int, m2_min: float, t_min: float, steps: int,
-              floor: float, raise_floor: bool, u: np.ndarray, a: np.ndarray, row: np.ndarray
-              ) -> tuple[float, bool, bool]:
+              guarded: int, floor: float, raise_floor: bool, u: np.ndarray, a: np.ndarray,
+              row: np.ndarray) -> tuple[float, bool, bool]:
     """The down matrix's patch of the stable update (``raise_floor``) or the fit for one row,
     as `core.engine` composes it from `core.patches`: the target ``h = RMS(down) y`` of
     `_fit`, then into ``u``, ``a`` the rank-1 patch ``matrix_output_patch(h - y, x)`` (``a = 0``
@@ -147,11 +149,13 @@ def _down_row(g: np.ndarray, down: np.ndarray, x: np.ndarray, y: np.ndarray, tab
     for i in range(down.shape[0]):
         ss += np.float64(down[i]) * np.float64(down[i])
     h = np.empty(n)
-    mu, hard = _fit(g, table, at_min, first, m2_min, t_min, steps, (ss / down.shape[0]) ** 0.5,
-                    floor, raise_floor, h)
+    mu, hard = _fit(g, table, at_min, first, m2_min, t_min, steps, guarded,
+                    (ss / down.shape[0]) ** 0.5, floor, raise_floor, h)
     xx = 0.0
     for i in range(x.shape[0]):
         xx += np.float64(x[i]) * np.float64(x[i])
+    a[0] = xx  # (|x|^2 rounded to the patch dtype, as the composed patch has it: void where
+    xx = np.float64(a[0])  # it underflows there, not only where x = 0)
     void = xx <= 0.0
     inv = 1.0 / (1.0 if void else xx)
     dot = 0.0
@@ -182,8 +186,12 @@ def kernel() -> Kernels | None:
 def _build() -> Kernels | None:
     try:
         import numba
-    except Exception:  # (missing, or an llvmlite that does not load)
+    except Exception as e:  # (missing, or an llvmlite that does not load)
+        _log.warning("numba does not load (%s): the stable update runs on NumPy", e)
         return None
+    if numba.config.DISABLE_JIT:  # (NUMBA_DISABLE_JIT: the loops would run as Python)
+        return None
+    failure: Exception | None = None
     for cache in (True, False):  # (caching needs a writable folder: numba's own, or none)
         try:
             scope = {f.__name__: numba.njit(inline="always", error_model="numpy")(f)
@@ -191,14 +199,15 @@ def _build() -> Kernels | None:
             jit = numba.njit(cache=cache, error_model="numpy", nogil=True)
             scope["_fit"] = fit = jit(_rebound(_fit, scope))
             down_row = jit(_rebound(_down_row, scope))
-            poles = (np.ones((5, 2)), np.zeros(1, dtype=np.intp), 0, 1.0, 1e-300, 1)
+            poles = (np.ones((5, 2)), np.zeros(1, dtype=np.intp), 0, 1.0, 1e-300, 1, 1)
             for dtype in (np.float32, np.float64):  # (float32 patches; float64 models, fits)
                 v = np.ones(2, dtype)
                 fit(v, *poles, 1.0, 1e-2, True, np.empty(2, dtype))
                 down_row(v, v, v, v, *poles, 1e-2, True, *(np.empty(2, dtype) for _ in "uar"))
             return Kernels(fit, down_row)
-        except Exception:
-            continue
+        except Exception as e:
+            failure = e
+    _log.warning("numba could not compile the stable update (%s): it runs on NumPy", failure)
     return None
 
 

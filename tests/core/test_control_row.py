@@ -257,12 +257,12 @@ def test_a_cache_too_large_to_copy_keeps_the_passes(monkeypatch) -> None:  # typ
 
 @pytest.mark.parametrize("name", _post_norm_families())
 @pytest.mark.parametrize("method,control", [("stable", "scale"), ("direct", "matrix")])
-def test_the_compiled_down_row_is_the_composed_one(name: str, method: str, control: str,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_whole_runs_with_the_compiled_down_row_are_the_composed_ones(
+        name: str, method: str, control: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """`core.patches.down_patch_row` (the down matrix's patch of the stable update or the fit and
     its patched row in one compiled call, at the steps that patch one row) against the same
-    composed from tensors (`patches.JIT` off): the same patches and patched logits in float64;
-    and the compiled call did run."""
+    composed from tensors (`patches.JIT` off), over whole float64 runs: the same patches and the
+    same distance of the patched logits to the full context's; and the compiled call did run."""
     loaded = _loaded(name)
     sites = [loaded.adapter.sites(layer) for layer in loaded.adapter.layers(loaded.model)]
     if not any(s.out_matrix is not None and s.out_norm is not None for s in sites):

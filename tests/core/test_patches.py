@@ -391,6 +391,10 @@ def test_the_compiled_down_row_is_the_composed_one(dtype: torch.dtype, raise_flo
         m, g, down, y = (torch.randn(16, generator=gen) * s for s in (1.0, 2.0, 0.5, 3.0))
         m[trial % 16] *= 1e-3 if trial % 3 else 0.0  # (a scale the conditioning raises)
         x = torch.zeros(40) if trial == 0 else torch.randn(40, generator=gen)
+        if trial == 1:  # (|x|^2 underflows in float32: void there, as the composed patch)
+            x = torch.full((40,), 1e-41 if dtype == torch.float32 else 1e-300)
+        if trial == 2 and not raise_floor:  # the hard case (a zero scale, no target there)
+            m, g = torch.linspace(0.0, 3.0, 16), torch.full((16,), 0.01)
         g, down, x, y, m = (v.to(dtype) for v in (g, down, x, y, m))
         fitted = stable_poles(m) if raise_floor else patches.poles(m)
         out = down_patch_row(g, down, x, y, fitted, raise_floor)
@@ -400,15 +404,23 @@ def test_the_compiled_down_row_is_the_composed_one(dtype: torch.dtype, raise_flo
         h, hard_ref = target(g, m, down.pow(2).mean().sqrt(), fitted)
         ref = matrix_output_patch(h - y, x)
         size = float(torch.maximum(h.abs().max(), y.abs().max()))
-        assert hard == bool(hard_ref) and bool(r.void) == bool(ref.void) == (trial == 0)
+        assert hard == bool(hard_ref) and hard == (trial == 2 and not raise_floor)
+        assert bool(r.void) == bool(ref.void) == (trial < 2)
         assert r.u.dtype == r.a.dtype == row.dtype == dtype
         assert float((r.u - ref.u).abs().max()) <= rel * size, trial
         assert torch.allclose(r.a, ref.a, rtol=rel, atol=0.0), trial
         assert float((row - (y + (x @ ref.a) * ref.u)).abs().max()) <= 4 * rel * size, trial
-        if trial == 0:
-            assert torch.equal(row, y)
+        if trial < 2:  # (a is x over 1 there, as in `_along`: it acts as nothing on x)
+            assert torch.equal(row, y) and torch.equal(r.a, ref.a)
     assert down_patch_row(g, down.double() if dtype == torch.float32 else down.float(), x, y,
                           fitted, raise_floor) is None
+    # lengths that do not match: None here, so the composition raises (the compiled loops do
+    # not check bounds); the solve itself says so in one line
+    assert down_patch_row(g, down, x, y[:-1], fitted, raise_floor) is None
+    assert down_patch_row(g[:-1], down, x, y[:-1], fitted, raise_floor) is None
+    assert down_patch_row(g, down, x[::2], y, fitted, raise_floor) is None  # (a strided view)
+    with pytest.raises(ValueError, match="shape"):
+        solve_rms_fit(torch.ones(17, dtype=dtype), m)
     assert down_patch_row(g, down, x, y, patches.poles(m, on_host=False), raise_floor) is None
     monkeypatch.setattr(patches, "JIT", False)
     assert down_patch_row(g, down, x, y, fitted, raise_floor) is None
