@@ -33,6 +33,9 @@ def main() -> int:
              "Hello", "--max-new-tokens", "3", "--quiet"],
             [str(exe), "compare", "--model", str(mixtral), "--context", "The fox.", "--query",
              "Hello", "--max-new-tokens", "3", "--quiet"],
+            # the stable update, compiled by numba (core/secular_jit.py logs where it falls back)
+            [str(exe), "compare", "--model", str(model), "--context", "The fox.", "--query",
+             "Hello", "--max-new-tokens", "3", "--method", "stable", "--quiet"],
             [str(exe), "--screenshot", str(Path(tmp) / "shot.png"), "--model", str(model),
              "--context", "The fox.", "--query", "Hello", "--max-new-tokens", "3"],
         ] + [[str(exe), "compare", "--model", str(folder), "--image", sample, "--query",
@@ -43,6 +46,9 @@ def main() -> int:
             print(f"$ {' '.join(argv[:2])} ... -> exit {out.returncode}")
             print((out.stdout + out.stderr).strip()[-600:])
             if out.returncode != 0:
+                return 1
+            if "numba" in out.stderr:
+                print("the bundle's stable update is not compiled (numba)")
                 return 1
         assert (Path(tmp) / "shot.png").stat().st_size > 10_000
     size = sum(f.stat().st_size for f in exe.parent.rglob("*") if f.is_file())
