@@ -1,6 +1,8 @@
 """Interleaved A/B of comparison settings on one loaded model: plain generate and each variant
 in turn, ``--repeats`` rounds after a warm-up, in one process (so that a noisy machine slows
-every variant alike); prints min and median seconds and each min over generate's min.
+every variant alike); prints min and median seconds and each min over generate's min, and each
+later variant's per-round ratio to the first with their median. ``NUMBA_DISABLE_JIT=1`` runs
+the stable update as before session 10 (NumPy and torch instead of `core.secular_jit`).
 
     PYTHONPATH=. python3 bench/ab.py --dtype float32 --repeats 6 \\
         '{"direct": {"control": false}, "stable": {"control": false, "method": "stable"}}'
@@ -60,6 +62,11 @@ def main() -> None:
     for name, values in times.items():
         print(f"{args.dtype} {name}: min {min(values):.2f} s, median {statistics.median(values):.2f} s,"
               f" ratio {min(values) / base:.2f}", flush=True)
+    first, *others = variants
+    for name in others:  # (each round's own ratio: a drifting machine slows both alike)
+        paired = [b / a for a, b in zip(times[first], times[name], strict=True)]
+        print(f"{args.dtype} {name} / {first}: paired median {statistics.median(paired):.3f},"
+              f" rounds {' '.join(f'{r:.3f}' for r in paired)}", flush=True)
 
 
 if __name__ == "__main__":
