@@ -305,7 +305,8 @@ class _Norms:
     def of(self, name: str) -> tuple[float, float]:
         """(norm, largest absolute entry) of a parameter, or of slice ``e`` for a name
         ``param[e]`` (MoE experts); a post-norm scale counts as ``m = offset + weight``."""
-        self.prefetch([name])
+        if name not in self.cache:
+            self.prefetch([name])
         return self.cache[name]
 
 
