@@ -156,14 +156,6 @@ HOST_MATH = True
 JIT = True
 
 
-def _fmin(a: Any, b: Any) -> Any:  # (NaN-ignoring, as torch.fmin)
-    return b if a != a else a if b != b else min(a, b)
-
-
-def _fmax(a: Any, b: Any) -> Any:
-    return b if a != a else a if b != b else max(a, b)
-
-
 @dataclass(frozen=True)
 class _ArrayOps:
     """What `_secular` needs of an array library beyond arithmetic and ``@``: vectors ``where``,
@@ -207,8 +199,8 @@ _DEVICE = _ArrayOps(
     entries=lambda s: s.view(-1).unbind(), at=lambda x, mask: x * mask)
 #: NumPy arrays, scalars as NumPy float64 (conditions decided on the host)
 _HOST = _ArrayOps(
-    where=np.where, pick=lambda c, a, b: a if c else b, sqrt=lambda x: x ** 0.5, fmin=_fmin,
-    fmax=_fmax, maximum=lambda a, b: a if (a != a or a > b) else b,
+    where=np.where, pick=lambda c, a, b: a if c else b, sqrt=lambda x: x ** 0.5,
+    fmin=secular_jit.fmin, fmax=secular_jit.fmax, maximum=secular_jit.maximum,
     below=lambda x: np.nextafter(x, -np.inf), first_min=lambda x: np.arange(x.size) == x.argmin(),
     at_least=np.maximum, copysign=np.copysign, empty=lambda k, x: np.empty((k, x.shape[0])),
     add=np.add, mul=np.multiply, div=np.divide, entries=lambda s: list(s.ravel()),
@@ -240,7 +232,7 @@ def poles(m: Tensor, on_host: bool | None = None) -> Poles:
     """`Poles` of ``m`` for `solve_rms_fit` and `stable_down_target`: NumPy arrays when the solve
     runs on the host (``on_host``, by default for a CPU tensor while `HOST_MATH` is on)."""
     xp = _HOST if _on_host(m, on_host) else _DEVICE
-    m64 = _host64(m) if xp is _HOST else m.detach().double()
+    m64 = _host_array(m) if xp is _HOST else m.detach().double()
     with np.errstate(all="ignore"):  # (IEEE results wanted: an overflowing m^2 is inf)
         m2 = m64 * m64
         m2_min = m2.min()
@@ -395,21 +387,11 @@ def _on_host(x: Tensor, on_host: bool | None) -> bool:
     return HOST_MATH and x.device.type == "cpu" if on_host is None else on_host
 
 
-def _host64(x: Tensor) -> np.ndarray:
-    """``x`` as a float64 NumPy array (a CPU tensor's float64 data shared, not copied)."""
-    x = x.detach() if x.requires_grad else x
-    x = x if x.device.type == "cpu" else x.cpu()
-    if x.dtype in (torch.float32, torch.float64):
-        return x.numpy().astype(np.float64, copy=False)
-    return x.double().numpy()
-
-
 def _from_host(h: Any, dtype: torch.dtype, device: torch.device) -> Tensor:
     """The host array ``h`` as a tensor of ``dtype`` on ``device`` (rounded by NumPy for a CPU
     float32 or float64 one)."""
-    if dtype in (torch.float32, torch.float64) and device.type == "cpu":
-        return torch.from_numpy(np.asarray(h, dtype=np.float32 if dtype == torch.float32
-                                           else np.float64))
+    if device.type == "cpu" and dtype in _HOST_DTYPES:
+        return torch.from_numpy(np.asarray(h, dtype=_HOST_DTYPES[dtype]))
     return torch.from_numpy(np.asarray(h)).to(device, dtype)
 
 
@@ -450,13 +432,13 @@ def _host_fit(p: Poles, g: Tensor, steps: int, scale: float, raise_floor: bool,
     jit = secular_jit.kernel() if JIT else None
     if jit is None:
         with np.errstate(all="ignore"):  # (IEEE results wanted: inf, NaN)
-            y, mu, hard = _secular(p, _host64(g), steps)
+            y, mu, hard = _secular(p, _host_array(g), steps)
             h = _raised(p.xp, y, scale) if raise_floor else scale * y
         return _from_host(h, dtype, g.device), mu, hard
     if g.shape != p.m.shape:  # (the compiled loops do not check bounds)
         raise ValueError(f"the target has shape {tuple(g.shape)}, the scale {p.m.shape}")
     direct = g.device.type == "cpu" and dtype in _HOST_DTYPES
-    x = _compiled_input(g, dtype if direct else torch.float64)
+    x = _host_array(g, dtype if direct else torch.float64)
     h = np.empty(x.shape[0], dtype=x.dtype)
     mu, hard = jit.fit(x, p.table, p.at_min, p.first, float(p.m2_min), float(p.t_min), steps,
                        _GUARDED, scale, DIRECTION_FLOOR, raise_floor, h)
@@ -499,10 +481,10 @@ def down_patch_row(g: Tensor, down: Tensor, x: Tensor, y: Tensor, fitted: Poles,
 _HOST_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 
-def _compiled_input(x: Tensor, dtype: torch.dtype) -> np.ndarray:
-    """``x`` as a contiguous NumPy array of ``dtype`` (float32 or float64), shared where it
-    already is one on the CPU: the compiled functions exist for those two layouts (another
-    would compile at the call)."""
+def _host_array(x: Tensor, dtype: torch.dtype = torch.float64) -> np.ndarray:
+    """``x`` as a contiguous NumPy array of ``dtype`` (float32 or float64; the solve's float64
+    by default), shared where it already is one on the CPU (the compiled functions exist for
+    those two layouts: another would compile at the call)."""
     x = x.detach()
     if x.device.type != "cpu" or x.dtype != dtype or not x.is_contiguous():
         x = x.to("cpu", dtype).contiguous()

@@ -36,15 +36,18 @@ _lock = threading.Lock()
 _built: list[Any] = []  # [the compiled `Kernels`, or None]
 
 
-def _fmin(a: float, b: float) -> float:
+def fmin(a: float, b: float) -> float:
+    """The smaller of two scalars, NaN ignored (as ``torch.fmin``)."""
     return b if a != a else a if b != b else min(a, b)
 
 
-def _fmax(a: float, b: float) -> float:
+def fmax(a: float, b: float) -> float:
+    """The larger of two scalars, NaN ignored (as ``torch.fmax``)."""
     return b if a != a else a if b != b else max(a, b)
 
 
-def _maximum(a: float, b: float) -> float:
+def maximum(a: float, b: float) -> float:
+    """The larger of two scalars, NaN propagated (as ``torch.maximum``)."""
     return a if (a != a or a > b) else b
 
 
@@ -80,11 +83,11 @@ def _fit(g: np.ndarray, table: np.ndarray, at_min: np.ndarray, first: int, m2_mi
         a += gms[j] * gms[j]
         pole_nonzero = pole_nonzero or gms[j] != 0.0
     hard = short >= 0.0 and not pole_nonzero
-    rest = _maximum(short, abs(0.0 * short)) ** 0.5
+    rest = maximum(short, abs(0.0 * short)) ** 0.5
     pole = (n * a) ** 0.5
-    t_hi = _maximum(_fmin(s00 ** 0.5, pole / rest), t_min)
+    t_hi = maximum(fmin(s00 ** 0.5, pole / rest), t_min)
     tangent = short / (-2.0 * n * s12)
-    t_lo = _maximum(_fmax(edge, tangent), t_min)
+    t_lo = maximum(fmax(edge, tangent), t_min)
     t = t_lo ** 0.5 * t_hi ** 0.5
     for k in range(steps):
         f = 0.0
@@ -105,11 +108,11 @@ def _fit(g: np.ndarray, table: np.ndarray, at_min: np.ndarray, first: int, m2_mi
                 t_hi = t
             else:
                 t_lo = t
-            inside = _fmin(_fmax(t_next, t_lo), t_hi)
+            inside = fmin(fmax(t_next, t_lo), t_hi)
             t = inside if abs(inside - t_next) <= t * 2.0**-30 else t_lo ** 0.5 * t_hi ** 0.5
         else:
             settled = abs(t_next - t) <= t * 2.0**-50
-            t = _fmax(_fmin(t_next, t_hi), t_lo)
+            t = fmax(fmin(t_next, t_hi), t_lo)
             if settled:
                 break
     mu = m2_min - t
@@ -125,7 +128,7 @@ def _fit(g: np.ndarray, table: np.ndarray, at_min: np.ndarray, first: int, m2_mi
     if raise_floor:
         ss = 0.0
         for i in range(n):
-            v = math.copysign(_maximum(abs(out[i]), floor), out[i])
+            v = math.copysign(maximum(abs(out[i]), floor), out[i])
             out[i] = v
             ss += v * v
         scale = scale * (ss / n) ** -0.5
@@ -195,7 +198,7 @@ def _build() -> Kernels | None:
     for cache in (True, False):  # (caching needs a writable folder: numba's own, or none)
         try:
             scope = {f.__name__: numba.njit(inline="always", error_model="numpy")(f)
-                     for f in (_fmin, _fmax, _maximum)}
+                     for f in (fmin, fmax, maximum)}
             jit = numba.njit(cache=cache, error_model="numpy", nogil=True)
             scope["_fit"] = fit = jit(_rebound(_fit, scope))
             down_row = jit(_rebound(_down_row, scope))
