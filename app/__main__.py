@@ -1,3 +1,3 @@
-from ctxpatch.app.cli import main
+from .cli import main
 
 raise SystemExit(main())

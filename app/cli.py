@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ctxpatch.core import __version__
-from ctxpatch.core.errors import UserError
-from ctxpatch.core.options import (
+from ..core import __version__
+from ..core.errors import UserError
+from ..core.options import (
     ABSORB_MODES,
     CONTROL_ROWS,
     DEVICE_MAPS,
@@ -25,7 +25,7 @@ from ctxpatch.core.options import (
     PATCH_KINDS,
     SCOPES,
 )
-from ctxpatch.core.outputs import STDOUT, check_outputs, check_report
+from ..core.outputs import STDOUT, check_outputs, check_report
 
 EXAMPLES_COMPARE = """examples:
   ctxpatch compare --absorb all --query "Write a single-sentence weather forecast for Mars, \\
@@ -65,7 +65,7 @@ class _Parser(argparse.ArgumentParser):
             return super().format_help()
         import textwrap
 
-        from ctxpatch.core.adapters import supported_families
+        from ..core.adapters import supported_families
 
         families = textwrap.fill("supported families (model types): " + supported_families(),
                                  width=100, subsequent_indent="  ", break_on_hyphens=False)
@@ -230,7 +230,7 @@ class _Progress:
 def _inputs(args: argparse.Namespace, *more: str | None) -> list[str | None]:
     """The paths a command reads: its model (a folder, a file, or the demo's cache folder), its
     picture, and ``more``."""
-    from ctxpatch.core.footprint import DEMOS, demo_folder
+    from ..core.footprint import DEMOS, demo_folder
 
     model = getattr(args, "model", None)
     folder = str(demo_folder(model)) if model in DEMOS else model
@@ -240,7 +240,7 @@ def _inputs(args: argparse.Namespace, *more: str | None) -> list[str | None]:
 def _load(args: argparse.Namespace, dtype: str, say: _Progress) -> Any:
     from transformers.utils import logging as hf_logging
 
-    from ctxpatch.core.loading import load_model
+    from ..core.loading import load_model
 
     hf_logging.disable_progress_bar()  # our own progress lines stand in for tqdm's bars
 
@@ -251,7 +251,7 @@ def _load(args: argparse.Namespace, dtype: str, say: _Progress) -> Any:
 
 def placement(args: argparse.Namespace) -> Any:
     """The placement options, checked (before anything loads)."""
-    from ctxpatch.core.placement import Placement, parse_max_memory
+    from ..core.placement import Placement, parse_max_memory
 
     chosen = Placement(getattr(args, "device_map", None),
                        parse_max_memory(getattr(args, "max_memory", None)) or {},
@@ -262,7 +262,7 @@ def placement(args: argparse.Namespace) -> Any:
 
 def _settings(args: argparse.Namespace, **overrides: Any) -> Any:
     """The run's Settings from the compare options (shared by compare and bench), validated."""
-    from ctxpatch.core.compare import Settings
+    from ..core.compare import Settings
 
     fields: dict[str, Any] = dict(
         max_new_tokens=args.max_new_tokens, method=args.method, absorb=args.absorb,
@@ -279,7 +279,7 @@ def _settings(args: argparse.Namespace, **overrides: Any) -> Any:
 def check_request(args: argparse.Namespace) -> Any:
     """Every check of a comparison's options that needs no model, in the order the command
     line makes them; returns ``(settings, picture)``. The Python API calls it too."""
-    from ctxpatch.core.compare import parse_layers
+    from ..core.compare import parse_layers
 
     picture = _read_image(args.image)
     settings = _settings(args, keep_patches=args.save_patches is not None or args.verify)
@@ -302,11 +302,11 @@ def run_extra(args: argparse.Namespace, device: str) -> dict[str, Any]:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from ctxpatch.core.compare import summarize
-    from ctxpatch.core.controllability import conditioning_line, outcome, summary_lines
-    from ctxpatch.core.export import save_patches, steps_csv, write_json, write_text
-    from ctxpatch.core.prompt import build_prompt
-    from ctxpatch.core.runs import run_comparison
+    from ..core.compare import summarize
+    from ..core.controllability import conditioning_line, outcome, summary_lines
+    from ..core.export import save_patches, steps_csv, write_json, write_text
+    from ..core.prompt import build_prompt
+    from ..core.runs import run_comparison
 
     say = _Progress(args.quiet)
     settings, picture = check_request(args)
@@ -316,7 +316,7 @@ def run_compare(args: argparse.Namespace) -> int:
     loaded = _load(args, args.dtype, say)
     prompt = build_prompt(loaded.tokenizer, args.context, args.query, args.chat_template,
                           image=picture, processor=loaded.processor)
-    from ctxpatch.core.controllability import plan
+    from ..core.controllability import plan
 
     plans = plan(loaded, settings)
     for line in summary_lines(plans):
@@ -337,7 +337,7 @@ def run_compare(args: argparse.Namespace) -> int:
         record["verification"] = _verify_run(loaded, steps, settings, args.dtype, say,
                                              prompt.pixels)
     if args.json == STDOUT:
-        from ctxpatch.core.export import json_text
+        from ..core.export import json_text
 
         sys.stdout.write(json_text(record))
     elif args.json:
@@ -351,8 +351,8 @@ def run_compare(args: argparse.Namespace) -> int:
                          image=prompt.image)
         say(f"saved {n} patch tensors to {args.save_patches}")
     if args.report:  # last: the data above is safe whatever happens to the report
-        from ctxpatch.app.report import write_report
-        from ctxpatch.core.records import run_from_record
+        from ..core.records import run_from_record
+        from .report import write_report
 
         report = Path(args.report)
         write_report(run_from_record(record), report, report.with_name(f"{report.stem}_plots"))
@@ -374,8 +374,8 @@ def run_compare(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     import json
 
-    from ctxpatch.core.bench import machine, measure_memory, measure_time
-    from ctxpatch.core.prompt import build_prompt
+    from ..core.bench import machine, measure_memory, measure_time
+    from ..core.prompt import build_prompt
 
     say = _Progress(args.quiet)
     if args.repeats < 1:
@@ -387,10 +387,10 @@ def run_bench(args: argparse.Namespace) -> int:
     loaded = _load(args, args.dtype, say)
     prompt = build_prompt(loaded.tokenizer, args.context, args.query, args.chat_template,
                           image=picture, processor=loaded.processor)
-    from ctxpatch.core.prompt import check_prompt
+    from ..core.prompt import check_prompt
 
     check_prompt(prompt, settings.absorb)
-    from ctxpatch.core.compare import resolve_control_row
+    from ..core.compare import resolve_control_row
 
     settings = resolve_control_row(loaded, settings)  # (the JSON says which control row ran)
     result: dict[str, Any] = {"machine": machine(), "model": args.model, "dtype": args.dtype,
@@ -416,7 +416,7 @@ def run_bench(args: argparse.Namespace) -> int:
         print(json.dumps(result, default=str))
         return 0
     if args.json:
-        from ctxpatch.core.export import write_json
+        from ..core.export import write_json
 
         write_json(args.json, result)
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, default=str))
@@ -427,15 +427,15 @@ def _read_image(path: str | None) -> Any:
     """The decoded picture and its record, read before the model loads (a bad file fails fast)."""
     if path is None:
         return None
-    from ctxpatch.core.images import read_image
+    from ..core.images import read_image
 
     return read_image(path)
 
 
 def _verify_run(loaded: Any, steps: list[Any], settings: Any, dtype: str, say: _Progress,
                 pixels: dict[str, Any] | None = None) -> dict[str, Any]:
-    from ctxpatch.core.runs import default_tolerance, verdict
-    from ctxpatch.core.verify import patches_of_steps, verify_patches
+    from ..core.runs import default_tolerance, verdict
+    from ..core.verify import patches_of_steps, verify_patches
 
     checks = verify_patches(loaded, patches_of_steps(steps, settings.scope),
                             progress=lambda d, t: say("checking step", d, t), pixels=pixels)
@@ -447,9 +447,9 @@ def _verify_run(loaded: Any, steps: list[Any], settings: Any, dtype: str, say: _
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from ctxpatch.core.controllability import conditioning_line
-    from ctxpatch.core.runs import default_tolerance, verdict
-    from ctxpatch.core.verify import image_pixels, read_patches, recorded_image, verify_patches
+    from ..core.controllability import conditioning_line
+    from ..core.runs import default_tolerance, verdict
+    from ..core.verify import image_pixels, read_patches, recorded_image, verify_patches
 
     say = _Progress(False)
     check_outputs({"--json": args.json}, _inputs(args, args.patches), text=("--json",))
@@ -469,7 +469,7 @@ def run_verify(args: argparse.Namespace) -> int:
         import json
         from dataclasses import asdict
 
-        from ctxpatch.core.export import write_json
+        from ..core.export import write_json
 
         data = {"ok": result.ok, "tolerance": result.to_dict()["tolerance"],
                 "conditioning": pf.conditioning, "steps": [asdict(c) for c in checks]}
@@ -482,7 +482,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def _open_window(args: argparse.Namespace) -> int:
-    from ctxpatch.app.gui import run_app
+    from .gui import run_app
 
     return run_app(args)
 
@@ -501,7 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "bench":
             return run_bench(args)
         if args.command == "reproduce":
-            from ctxpatch.app.reproduce import run as run_reproduce
+            from .reproduce import run as run_reproduce
 
             for d in args.dtypes.split(","):
                 if d not in DTYPES:

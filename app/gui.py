@@ -46,7 +46,7 @@ def _excepthook(exc_type: Any, exc: BaseException, tb: Any) -> None:
 
     from PySide6.QtWidgets import QApplication
 
-    from ctxpatch.app.main_window import MainWindow
+    from .main_window import MainWindow
 
     logging.getLogger("ctxpatch").error("".join(traceback.format_exception(exc_type, exc, tb)))
     for w in QApplication.topLevelWidgets():
@@ -120,7 +120,7 @@ def _display_reachable() -> bool:
 def check_xcb() -> None:
     """Before Qt starts on X11 (where a missing library aborts the process with a message that
     names no package): one line naming the packages to install."""
-    from ctxpatch.core.errors import UserError
+    from ..core.errors import UserError
 
     platform = os.environ.get("QT_QPA_PLATFORM", "")
     if not sys.platform.startswith("linux") or platform not in ("", "xcb"):
@@ -146,7 +146,7 @@ def window_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_app(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    from ctxpatch.core.errors import UserError
+    from ..core.errors import UserError
 
     window = (*WINDOW_OPTIONS, "command", "screenshot", "quiet")
     ignored = sorted(k for k in vars(args) if k not in window)
@@ -155,16 +155,16 @@ def run_app(args: argparse.Namespace) -> int:
         raise UserError(f"{flag} is for 'ctxpatch compare' (or bench), not the window: run "
                         f"'ctxpatch compare ... {flag}', or leave it out")
     if getattr(args, "image", None):
-        from ctxpatch.core.images import read_image
+        from ..core.images import read_image
 
         read_image(args.image)  # a bad file is one line before the window opens
     check_xcb()
     from PySide6.QtWidgets import QApplication
 
-    from ctxpatch.app.main_window import MainWindow
+    from .main_window import MainWindow
     screenshot = getattr(args, "screenshot", None)
     if screenshot:
-        from ctxpatch.core.outputs import check_outputs
+        from ..core.outputs import check_outputs
 
         check_outputs({"--screenshot": screenshot}, [getattr(args, "model", None),
                                                        getattr(args, "image", None)])
@@ -175,7 +175,7 @@ def run_app(args: argparse.Namespace) -> int:
     app.setDesktopFileName("ctxpatch")
     from PySide6.QtGui import QIcon
 
-    from ctxpatch import resources
+    from .. import resources
 
     icon = QIcon()
     for path in resources.icon_paths():

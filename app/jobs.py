@@ -52,9 +52,9 @@ def load_job(spec: str, dtype: str, device: str,
     def job(should_stop: StopFn, progress: ProgressFn) -> Iterator[Any]:
         from transformers.utils import logging as hf_logging
 
-        from ctxpatch.core.loading import load_model
-        from ctxpatch.core.placement import Placement
-        from ctxpatch.core.prompt import has_chat_template
+        from ..core.loading import load_model
+        from ..core.placement import Placement
+        from ..core.prompt import has_chat_template
 
         hf_logging.disable_progress_bar()
         start = time.perf_counter()
@@ -83,16 +83,16 @@ def run_job(model: ModelReady, context: str, query: str, chat_template: bool,
     def job(should_stop: StopFn, progress: ProgressFn) -> Iterator[Any]:
         from dataclasses import replace
 
-        from ctxpatch.core.compare import (
+        from ..core.compare import (
             Settings,
             iter_token_patches,
             parse_layers,
             resolve_control,
             resolve_control_row,
         )
-        from ctxpatch.core.controllability import plan
-        from ctxpatch.core.images import read_image
-        from ctxpatch.core.prompt import build_prompt, check_prompt
+        from ..core.controllability import plan
+        from ..core.images import read_image
+        from ..core.prompt import build_prompt, check_prompt
 
         loaded = model.handle
         s = Settings.from_dict(settings)
@@ -134,8 +134,8 @@ def session_job(path: str) -> Job:
     seconds to check and rebuild, so a large file is read here, never on the GUI thread."""
 
     def job(should_stop: StopFn, progress: ProgressFn) -> Iterator[Any]:
-        from ctxpatch.app.session import load_session, shown_run
-        from ctxpatch.core.errors import Cancelled
+        from ..core.errors import Cancelled
+        from .session import load_session, shown_run
 
         progress(f"Reading the session {path}…", 0, 2)
         data = load_session(path, should_stop)

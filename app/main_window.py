@@ -29,17 +29,17 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ctxpatch.app.jobs import Job, ModelReady, RunStarted, load_job, run_job
-from ctxpatch.app.panels.control_panel import QtControlPanel
-from ctxpatch.app.panels.generation_panel import QtGenerationPanel, plural
-from ctxpatch.app.panels.history_panel import QtHistoryPanel
-from ctxpatch.app.panels.input_panel import QtInputPanel
-from ctxpatch.app.panels.model_panel import QtModelPanel
-from ctxpatch.app.panels.patch_panel import QtPatchPanel
-from ctxpatch.app.panels.plots_panel import QtPlotsPanel
-from ctxpatch.app.state import RunState
-from ctxpatch.app.window_files import WindowFiles
-from ctxpatch.app.worker import Worker
+from .jobs import Job, ModelReady, RunStarted, load_job, run_job
+from .panels.control_panel import QtControlPanel
+from .panels.generation_panel import QtGenerationPanel, plural
+from .panels.history_panel import QtHistoryPanel
+from .panels.input_panel import QtInputPanel
+from .panels.model_panel import QtModelPanel
+from .panels.patch_panel import QtPatchPanel
+from .panels.plots_panel import QtPlotsPanel
+from .state import RunState
+from .window_files import WindowFiles
+from .worker import Worker
 
 log = logging.getLogger("ctxpatch")
 SETTINGS_VERSION = 1
@@ -428,7 +428,7 @@ class MainWindow(QMainWindow):
     def _first_start(self) -> None:
         """A fresh profile runs on the first click: the paper's Mars prompt (the first preset)
         with absorb all, which needs no context."""
-        from ctxpatch import resources
+        from .. import resources
 
         first = resources.presets()[0]
         self.input_panel.restore({"context": first.get("context", ""),
@@ -461,7 +461,7 @@ class MainWindow(QMainWindow):
         from PySide6 import __version__ as pyside
         from PySide6.QtCore import qVersion
 
-        from ctxpatch.core import __version__
+        from ..core import __version__
 
         def v(name: str) -> str:
             try:
@@ -485,7 +485,7 @@ class MainWindow(QMainWindow):
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt override
         self.save_settings()
-        from ctxpatch.app.session import autosave_path
+        from .session import autosave_path
 
         autosave_path().unlink(missing_ok=True)  # a clean exit: nothing to offer back
         if self.worker is not None:

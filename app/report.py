@@ -18,12 +18,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ctxpatch.app.jobs import RunStarted
-from ctxpatch.app.panels.generation_panel import COLORS, token_html
-from ctxpatch.app.state import RunState
-from ctxpatch.core import __version__
-from ctxpatch.core.errors import UserError
-from ctxpatch.core.records import Run
+from ..core import __version__
+from ..core.errors import UserError
+from ..core.records import Run
+from .jobs import RunStarted
+from .panels.generation_panel import COLORS, token_html
+from .state import RunState
 
 #: the figures' size in the report, in CSS pixels (96 to the inch): the page's width between
 #: A4's 15 mm margins, less the document's own margin; the plots are laid out at this size, with
@@ -78,8 +78,8 @@ def plot_images(run: Run) -> dict[str, tuple[bytes, bytes]]:
     from PySide6.QtCore import Qt
     from PySide6.QtWidgets import QApplication
 
-    from ctxpatch.app.panels.patch_panel import QtPatchPanel
-    from ctxpatch.app.panels.plots_panel import QtPlotsPanel
+    from .panels.patch_panel import QtPatchPanel
+    from .panels.plots_panel import QtPlotsPanel
 
     ensure_app()
     global _EXPORT
@@ -184,7 +184,7 @@ def thumbnail(run: Run, size: int = 256) -> bytes | None:
     """A PNG thumbnail of the run's context image, when the file is still there unchanged."""
     import io
 
-    from ctxpatch.core.images import ImageInfo, reopen
+    from ..core.images import ImageInfo, reopen
 
     info = run.record.get("prompt", {}).get("image")
     if not info:
@@ -286,7 +286,7 @@ SCREEN_STYLE = "body { max-width: 60em; margin: 2em auto; }"
 
 
 def _plans(run: Run) -> tuple[Any, ...]:
-    from ctxpatch.core.controllability import LayerPlan
+    from ..core.controllability import LayerPlan
 
     plans = run.record.get("controllability", {}).get("plan", [])
     return tuple(LayerPlan(**{k: tuple(v) if isinstance(v, list) else v for k, v in p.items()})
@@ -295,8 +295,8 @@ def _plans(run: Run) -> tuple[Any, ...]:
 
 def _controllability_html(run: Run) -> str:
     """The conditioning line and, per patched layer, its mixer, controls and what happened."""
-    from ctxpatch.app.panels.control_panel import param_list, run_cell
-    from ctxpatch.core.controllability import conditioning_line, outcome
+    from ..core.controllability import conditioning_line, outcome
+    from .panels.control_panel import param_list, run_cell
 
     line = conditioning_line(run.record.get("summary", {}).get("conditioning"))
     plans = _plans(run)
@@ -391,7 +391,7 @@ def _data_uri(png: bytes) -> str:
 def write_report(run: Run, path: str | Path, plot_dir: str | Path | None = None) -> list[Path]:
     """Write the report as HTML, or PDF when ``path`` ends in .pdf; with ``plot_dir``, also
     every plot as PNG and SVG there. Returns the files written (all writes are atomic)."""
-    from ctxpatch.core.export import atomic_write, write_text
+    from ..core.export import atomic_write, write_text
 
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")

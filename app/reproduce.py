@@ -13,14 +13,14 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ctxpatch.core import experiments as ex
+from ..core import experiments as ex
 
 
 def _figure4(rows: list[dict[str, Any]], records: dict[str, Any], prompts: int) -> Any:
     import numpy as np
     import pyqtgraph as pg
 
-    from ctxpatch.app.report import ensure_app
+    from .report import ensure_app
 
     ensure_app()
     graphics = pg.GraphicsLayoutWidget()
@@ -62,7 +62,7 @@ def _black(graphics: Any, plots: Any) -> None:
 def _sweep_figure(rows: list[dict[str, Any]]) -> Any:
     import pyqtgraph as pg
 
-    from ctxpatch.app.report import ensure_app
+    from .report import ensure_app
 
     ensure_app()
     graphics = pg.GraphicsLayoutWidget()
@@ -92,7 +92,7 @@ def _figure5(records: dict[str, Any], dtypes: list[str]) -> Any:
     import numpy as np
     import pyqtgraph as pg
 
-    from ctxpatch.app.report import ensure_app
+    from .report import ensure_app
 
     ensure_app()
     graphics = pg.GraphicsLayoutWidget()
@@ -126,7 +126,7 @@ def _image(graphics: Any, size: tuple[int, int] = (1100, 420)) -> tuple[bytes, b
     from PySide6.QtCore import Qt
     from PySide6.QtWidgets import QApplication
 
-    from ctxpatch.app.report import _png, _svg
+    from .report import _png, _svg
 
     graphics.setAttribute(Qt.WidgetAttribute.WA_DontShowOnScreen)
     graphics.resize(*size)
@@ -138,17 +138,17 @@ def _image(graphics: Any, size: tuple[int, int] = (1100, 420)) -> tuple[bytes, b
 
 
 def _table(rows: list[list[Any]], header: list[str]) -> str:
-    from ctxpatch.app.report import _fmt
-    from ctxpatch.app.report import _table as table
+    from .report import _fmt
+    from .report import _table as table
 
     return table(rows, header, cell=_fmt)
 
 
 def write_reproduction(out: Path, model: str, records: dict[str, Any], rows: list[dict[str, Any]],
                        sweep: list[dict[str, Any]], dtypes: list[str], prompts: int) -> Path:
-    from ctxpatch.app.report import _data_uri, plot_images
-    from ctxpatch.core.export import atomic_write, write_json, write_text
-    from ctxpatch.core.records import run_from_record
+    from ..core.export import atomic_write, write_json, write_text
+    from ..core.records import run_from_record
+    from .report import _data_uri, plot_images
 
     plots = out / "plots"
     plots.mkdir(parents=True, exist_ok=True)
@@ -214,7 +214,7 @@ prompt. Prompts:</p><ol>{prompts_list}</ol>
 
 
 def _figure5_html(records: dict[str, Any], images: dict[str, tuple[bytes, bytes]]) -> str:
-    from ctxpatch.app.report import _data_uri
+    from .report import _data_uri
 
     runs = {name: r for name, r in sorted(records.items()) if name.startswith("image-")}
     if not runs:
@@ -237,12 +237,12 @@ def _figure5_html(records: dict[str, Any], images: dict[str, tuple[bytes, bytes]
 
 def _image_model_check(model: str) -> None:
     """The image runs need an image+text model: say so before any run."""
-    from ctxpatch.core.footprint import DEMOS
-    from ctxpatch.core.images import text_only
+    from ..core.footprint import DEMOS
+    from ..core.images import text_only
 
     if model in DEMOS:
         raise text_only(f"the {model} model")
-    from ctxpatch.core.loading import _resolve_source, load_config
+    from ..core.loading import _resolve_source, load_config
 
     source, local_only = _resolve_source(model, None, None)
     if getattr(load_config(source, local_only), "vision_config", None) is None:
@@ -251,7 +251,7 @@ def _image_model_check(model: str) -> None:
 
 def _sweep(text: str | None) -> list[int] | None:
     """``--sweep``'s layers, checked before any run (their range once the model is known)."""
-    from ctxpatch.core.errors import UserError
+    from ..core.errors import UserError
 
     if text is None:
         return None
@@ -267,12 +267,12 @@ def _sweep(text: str | None) -> list[int] | None:
 
 def _check_sweep_range(model: str, sweep: list[int]) -> None:
     """Refuse a sweep layer beyond the model's before any run (from its config alone)."""
-    from ctxpatch.core.errors import UserError
-    from ctxpatch.core.footprint import DEMOS
+    from ..core.errors import UserError
+    from ..core.footprint import DEMOS
 
     if model in DEMOS:
         return  # checked after the first run (the demo's config comes with its conversion)
-    from ctxpatch.core.loading import _resolve_source, load_config
+    from ..core.loading import _resolve_source, load_config
 
     source, local_only = _resolve_source(model, None, None)
     config = load_config(source, local_only)
@@ -283,7 +283,7 @@ def _check_sweep_range(model: str, sweep: list[int]) -> None:
 
 
 def run(args: Any, say: Any) -> int:
-    from ctxpatch.core.errors import UserError
+    from ..core.errors import UserError
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -300,8 +300,8 @@ def run(args: Any, say: Any) -> int:
     dtypes = list(args.dtypes.split(","))
     image = None
     if args.image is not None:
-        from ctxpatch.core.images import read_image
-        from ctxpatch.resources import sample_image_path
+        from ..core.images import read_image
+        from ..resources import sample_image_path
 
         image = sample_image_path() if args.image == "sample" else args.image
         read_image(image)  # a bad file fails before any run

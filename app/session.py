@@ -31,8 +31,8 @@ from pydantic import (
 )
 from typing_extensions import NotRequired, TypedDict  # pydantic needs this TypedDict before 3.12
 
-from ctxpatch.core.errors import UserError
-from ctxpatch.core.options import (
+from ..core.errors import UserError
+from ..core.options import (
     Absorb,
     ControlRow,
     DeviceMap,
@@ -45,7 +45,7 @@ from ctxpatch.core.options import (
 )
 
 if TYPE_CHECKING:
-    from ctxpatch.core.records import Run
+    from ..core.records import Run
 
 FORMAT = "ctxpatch-session"
 SCHEMA_VERSION = 1
@@ -69,7 +69,7 @@ def session_dict(inputs: dict[str, Any], options: dict[str, Any], runs: list[dic
 
 
 def save_session(path: str | Path, session: dict[str, Any]) -> None:
-    from ctxpatch.core.export import write_json
+    from ..core.export import write_json
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_json(path, session)
@@ -394,7 +394,7 @@ def load_session(path: str | Path,
     if legacy:
         data = _upgrade(data)
     if should_stop is not None and should_stop():
-        from ctxpatch.core.errors import Cancelled
+        from ..core.errors import Cancelled
 
         raise Cancelled
     try:
@@ -412,7 +412,7 @@ def rebuild(record: dict[str, Any], source: str) -> Run:
     none) read back as NaN, as the views and `core.results.conditioning` compute with floats."""
     from dataclasses import replace
 
-    from ctxpatch.core.records import run_from_record
+    from ..core.records import run_from_record
 
     run = run_from_record(record, source)
 

@@ -148,7 +148,7 @@ class RunState:
     def summary(self) -> dict[str, Any]:
         """The status bar's figures, by `core.results.nan_max`'s one rule (NaN when any step's
         is NaN; 0 before any step)."""
-        from ctxpatch.core.results import nan_max
+        from ..core.results import nan_max
 
         return {
             "tokens": len(self.steps),

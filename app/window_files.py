@@ -14,19 +14,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ctxpatch.app import dialogs
+from . import dialogs
 
 if TYPE_CHECKING:
     from PySide6.QtWidgets import QWidget
 
-    from ctxpatch.app.jobs import Job, RunStarted, SessionReady
-    from ctxpatch.app.main_window import Banner
-    from ctxpatch.app.panels.history_panel import QtHistoryPanel
-    from ctxpatch.app.panels.input_panel import QtInputPanel
-    from ctxpatch.app.panels.model_panel import QtModelPanel
-    from ctxpatch.app.panels.plots_panel import QtPlotsPanel
-    from ctxpatch.app.state import RunState
-    from ctxpatch.core.records import Run
+    from ..core.records import Run
+    from .jobs import Job, RunStarted, SessionReady
+    from .main_window import Banner
+    from .panels.history_panel import QtHistoryPanel
+    from .panels.input_panel import QtInputPanel
+    from .panels.model_panel import QtModelPanel
+    from .panels.plots_panel import QtPlotsPanel
+    from .state import RunState
 
 log = logging.getLogger("ctxpatch")
 #: session files larger than this open on the worker (about 300 tokens a megabyte: a 9,000-token
@@ -85,8 +85,8 @@ class WindowFiles:
             return None
         if started.record is not None:
             return started.record  # a run reopened from a session
-        from ctxpatch.core.compare import Settings
-        from ctxpatch.core.runs import record_of
+        from ..core.compare import Settings
+        from ..core.runs import record_of
 
         extras = ("context", "query", "chat_template", "image")
         known = {k: v for k, v in started.settings.items() if k not in extras}
@@ -111,8 +111,8 @@ class WindowFiles:
             path = dialogs.save_file(self._window, "export", "Export", default, filters[kind])
             if not path:
                 return False
-        from ctxpatch.core.errors import UserError
-        from ctxpatch.core.export import steps_csv, write_json, write_text
+        from ..core.errors import UserError
+        from ..core.export import steps_csv, write_json, write_text
 
         try:
             if kind == "json":
@@ -120,8 +120,8 @@ class WindowFiles:
             elif kind == "csv":
                 write_text(path, steps_csv(self._state.steps))
             else:
-                from ctxpatch.app.report import write_report
-                from ctxpatch.app.session import rebuild
+                from .report import write_report
+                from .session import rebuild
 
                 target = Path(path)
                 self._say(f"Writing the report {path}…")
@@ -142,7 +142,7 @@ class WindowFiles:
         record = self.current_record()
         if record is None:
             return
-        from ctxpatch.app.session import MAX_RUNS
+        from .session import MAX_RUNS
 
         self.history = (self.history + [record])[-MAX_RUNS:]
         self.history_index = len(self.history) - 1
@@ -154,7 +154,7 @@ class WindowFiles:
         """The other runs of the list on the plots, when their overlay is ticked."""
         import numpy as np
 
-        from ctxpatch.app.panels.history_panel import short_label
+        from .panels.history_panel import short_label
 
         runs = []
         if self._plots.overlay.isChecked():
@@ -174,8 +174,8 @@ class WindowFiles:
         """Reopen a run of the history (no recomputation)."""
         if self._running() is not None or not 0 <= index < len(self.history):
             return
-        from ctxpatch.app.session import rebuild
-        from ctxpatch.core.errors import UserError
+        from ..core.errors import UserError
+        from .session import rebuild
 
         try:
             run = rebuild(self.history[index], f"run #{index + 1}")
@@ -185,7 +185,7 @@ class WindowFiles:
         self._show(index, run)
 
     def _show(self, index: int, run: Run) -> None:
-        from ctxpatch.app.report import fill_state
+        from .report import fill_state
 
         with self._state.batch():  # the views redraw once, not once per step
             fill_state(self._state, run)
@@ -195,14 +195,14 @@ class WindowFiles:
         self._say(f"Showing run #{index + 1} (saved; not recomputed)")
 
     def _session(self) -> dict[str, Any]:
-        from ctxpatch.app.session import session_dict
+        from .session import session_dict
 
         return session_dict(self._input_panel.save(), self._model_panel.save(), self.history,
                             self.history_index)
 
     def _autosave_session(self) -> None:
-        from ctxpatch.app.session import autosave_path, save_session
-        from ctxpatch.core.errors import UserError
+        from ..core.errors import UserError
+        from .session import autosave_path, save_session
 
         try:
             save_session(autosave_path(), self._session())
@@ -215,8 +215,8 @@ class WindowFiles:
                                      "ctxpatch-session.json", "ctxpatch session (*.json)")
             if not path:
                 return False
-        from ctxpatch.app.session import save_session
-        from ctxpatch.core.errors import UserError
+        from ..core.errors import UserError
+        from .session import save_session
 
         try:
             save_session(path, self._session())
@@ -241,15 +241,15 @@ class WindowFiles:
                 return False
         import os
 
-        from ctxpatch.app.session import load_session, shown_run
-        from ctxpatch.core.errors import UserError
+        from ..core.errors import UserError
+        from .session import load_session, shown_run
 
         try:
             size = os.stat(path).st_size
         except (OSError, ValueError):
             size = 0  # load_session says what is wrong
         if size > SYNC_BYTES:
-            from ctxpatch.app.jobs import session_job
+            from .jobs import session_job
 
             self._pending_session = None
             self._start(session_job(path), "session", f"Opening the session {path}…")
@@ -289,7 +289,7 @@ class WindowFiles:
         Raises:
             UserError: the shown run cannot be rebuilt (the window is unchanged).
         """
-        from ctxpatch.app.session import NOT_FROM_SESSIONS, shown_run
+        from .session import NOT_FROM_SESSIONS, shown_run
 
         if run is None:
             index, run = shown_run(data, source)
@@ -308,7 +308,7 @@ class WindowFiles:
         """After a crash, the autosaved session is offered back (deleted on a clean exit). One
         that cannot be read is moved aside (``autosave.json.bad-<time>``) with a line in the
         banner: whatever is in it, the window starts."""
-        from ctxpatch.app.session import SessionError, autosave_path, load_session, saved_when
+        from .session import SessionError, autosave_path, load_session, saved_when
 
         path = autosave_path()
         try:
@@ -328,7 +328,7 @@ class WindowFiles:
         when = saved_when(data)
 
         def restore() -> None:
-            from ctxpatch.core.errors import UserError
+            from ..core.errors import UserError
 
             if self._running() not in (None, "load"):  # a model may load meanwhile; not a run
                 self._show_error("a job is running: cancel it (Esc) before restoring the autosave")
@@ -346,7 +346,7 @@ class WindowFiles:
                           + (f" (saved {when})" if when else "") + "?", restore)
 
     def _autosave_unreadable(self, path: Path, problem: str) -> None:
-        from ctxpatch.app.session import move_aside
+        from .session import move_aside
 
         try:
             where = f"moved aside to {move_aside(path)}"

@@ -14,8 +14,8 @@ import traceback
 
 from PySide6.QtCore import QObject, QThread, Signal
 
-from ctxpatch.app.jobs import Job, ModelReady, RunStarted, SessionReady
-from ctxpatch.core.errors import Cancelled, UserError
+from ..core.errors import Cancelled, UserError
+from .jobs import Job, ModelReady, RunStarted, SessionReady
 
 log = logging.getLogger("ctxpatch")
 

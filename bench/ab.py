@@ -33,10 +33,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=20)
     args = ap.parse_args()
-    import ctxpatch
     from ctxpatch.core.bench import _generate
     from ctxpatch.core.compare import Settings, iter_token_patches
     from ctxpatch.core.prompt import build_prompt
+
+    import ctxpatch
 
     variants = json.loads(args.variants)
     loaded = ctxpatch.load(args.model, dtype=args.dtype)

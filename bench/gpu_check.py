@@ -52,13 +52,12 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from ctxpatch.core.adapters import adapter_for_config
     from ctxpatch.core.bench import machine, measure_time
     from ctxpatch.core.compare import Settings
     from ctxpatch.core.loading import DTYPES, LoadedModel, resolve_device
     from ctxpatch.core.prompt import Prompt, Segment
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     device = resolve_device(args.device)
     config = AutoConfig.from_pretrained(ROOT / "bench" / "gemma3-270m-config.json")

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ctxpatch.core.patches import Rank1
+from .patches import Rank1
 
 
 def first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:

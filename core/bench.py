@@ -25,7 +25,7 @@ def _generate(loaded: Any, prompt: Any, tokens: int) -> None:
     """Plain greedy generation over the full prompt (with the image's pixels, if any)."""
     import torch
 
-    from ctxpatch.core.images import vision_kwargs
+    from .images import vision_kwargs
 
     ids = torch.tensor([list(prompt.full_ids)], device=loaded.device)
     extra = vision_kwargs(loaded.model, prompt.pixels, ids) if prompt.pixels else {}
@@ -35,7 +35,7 @@ def _generate(loaded: Any, prompt: Any, tokens: int) -> None:
 
 
 def _compare(loaded: Any, prompt: Any, settings: Any) -> None:
-    from ctxpatch.core.compare import iter_token_patches
+    from .compare import iter_token_patches
 
     for _ in iter_token_patches(loaded, prompt, settings):
         pass
@@ -61,7 +61,7 @@ def counting_host_syncs() -> Iterator[list[int]]:
     host (`core.patches.HOST_MATH`) is off meanwhile."""
     import torch
 
-    from ctxpatch.core import patches
+    from . import patches
 
     count = [0]
     originals = {name: getattr(torch.Tensor, name) for name in HOST_SYNCS}
@@ -118,7 +118,7 @@ def measure_time(loaded: Any, prompt: Any, settings: Any, repeats: int,
 
 CHILD = """
 import json, sys
-from ctxpatch.core.bench import child_main
+from .bench import child_main
 print(json.dumps(child_main(json.loads(sys.argv[1]))))
 """
 
@@ -129,10 +129,10 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
 
     import torch
 
-    from ctxpatch.core.compare import Settings
-    from ctxpatch.core.images import read_image
-    from ctxpatch.core.loading import load_model
-    from ctxpatch.core.prompt import build_prompt
+    from .compare import Settings
+    from .images import read_image
+    from .loading import load_model
+    from .prompt import build_prompt
 
     loaded = load_model(spec["model"], dtype=spec["dtype"], device=spec["device"])
     picture = read_image(spec["image"]) if spec.get("image") else None

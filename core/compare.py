@@ -20,17 +20,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from ctxpatch.core.adapters.base import LayerSites
-from ctxpatch.core.controllability import output_plan
-from ctxpatch.core.engine import (
+from .adapters.base import LayerSites
+from .controllability import output_plan
+from .engine import (
     LayerPatch,
     PatchSpec,
     compute_dtype,
     patching,
     recording,
 )
-from ctxpatch.core.errors import Cancelled, UserError
-from ctxpatch.core.forward import (
+from .errors import Cancelled, UserError
+from .forward import (
     attention_only,
     extend_cache,
     last_logits,
@@ -39,21 +39,9 @@ from ctxpatch.core.forward import (
     rolled_back,
     rows_logits,
 )
-from ctxpatch.core.loading import LoadedModel
-from ctxpatch.core.offload import resident
-from ctxpatch.core.patches import Delta, Rank1
-from ctxpatch.core.prompt import ABSORB_MODES, Prompt, check_prompt, reduced_sequence
-from ctxpatch.core.results import (
-    ENTRY_BOUND,
-    LAYER_MEASURES,
-    NO_CONTROL,
-    LayerInfo,
-    Side,
-    StepResult,
-    TopK,
-    summarize,
-)
-from ctxpatch.core.options import (
+from .loading import LoadedModel
+from .offload import resident
+from .options import (
     CONTROL_ROWS,
     METHODS,
     ON_FAULT,
@@ -66,6 +54,18 @@ from ctxpatch.core.options import (
     OutputControl,
     PatchKind,
     Scope,
+)
+from .patches import Delta, Rank1
+from .prompt import ABSORB_MODES, Prompt, check_prompt, reduced_sequence
+from .results import (
+    ENTRY_BOUND,
+    LAYER_MEASURES,
+    NO_CONTROL,
+    LayerInfo,
+    Side,
+    StepResult,
+    TopK,
+    summarize,
 )
 
 #: the longest top-k list a step records (the window shows a few; the JSON keeps them all)

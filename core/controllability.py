@@ -20,9 +20,9 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # `outcome` and `summary_lines` run in the window's thread without torch
-    from ctxpatch.core.adapters.base import LayerSites
-    from ctxpatch.core.compare import Settings, StepResult
-    from ctxpatch.core.loading import LoadedModel
+    from .adapters.base import LayerSites
+    from .compare import Settings, StepResult
+    from .loading import LoadedModel
 
 #: what absorbs the attention shift ``dv`` in one patched layer (`output_plan`)
 OutputKind = Literal[
@@ -120,10 +120,10 @@ def plan(loaded: LoadedModel, settings: Settings) -> list[LayerPlan]:
     output plans are the run's own (`core.compare.plan_patching`)."""
     import torch
 
-    from ctxpatch.core.compare import plan_patching
-    from ctxpatch.core.engine_moe import gate_up_name
-    from ctxpatch.core.offload import resident
-    from ctxpatch.core.patches import reachable_shift_bound
+    from .compare import plan_patching
+    from .engine_moe import gate_up_name
+    from .offload import resident
+    from .patches import reachable_shift_bound
 
     model = loaded.model
     _, sites, spec = plan_patching(loaded, settings)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ctxpatch.core.activations import (
+from .activations import (
     acts_on_one_row,
     first_input,
     first_output,
@@ -40,12 +40,12 @@ from ctxpatch.core.activations import (
     replace_output,
     with_last_row,
 )
-from ctxpatch.core.adapters.base import LayerSites
-from ctxpatch.core.controllability import OutputPlan
-from ctxpatch.core.engine_moe import MoEPatcher, name_expert_slices, record_moe, shared_inputs
-from ctxpatch.core.errors import Cancelled
-from ctxpatch.core.offload import plain_call, resident
-from ctxpatch.core.patches import (
+from .adapters.base import LayerSites
+from .controllability import OutputPlan
+from .engine_moe import MoEPatcher, name_expert_slices, record_moe, shared_inputs
+from .errors import Cancelled
+from .offload import plain_call, resident
+from .patches import (
     Delta,
     Patch,
     Rank1,

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from ctxpatch.core.activations import (
+from .activations import (
     first_input,
     first_output,
     last_rows,
@@ -47,14 +47,14 @@ from ctxpatch.core.activations import (
     rank1_action,
     replace_output,
 )
-from ctxpatch.core.adapters.base import ExpertsView, LayerSites, SharedExpert
-from ctxpatch.core.forward import add_to_slices_, written_slices_
-from ctxpatch.core.offload import is_offloaded, plain_call, resident
-from ctxpatch.core.patches import Rank1, either, matrix_output_patch, rank1_input_patch
+from .adapters.base import ExpertsView, LayerSites, SharedExpert
+from .forward import add_to_slices_, written_slices_
+from .offload import is_offloaded, plain_call, resident
+from .patches import Rank1, either, matrix_output_patch, rank1_input_patch
 
 if TYPE_CHECKING:  # (the engine imports this module)
-    from ctxpatch.core.controllability import OutputKind
-    from ctxpatch.core.engine import LayerPatch, LayerTargets, PatchSpec
+    from .controllability import OutputKind
+    from .engine import LayerPatch, LayerTargets, PatchSpec
 
 #: key in ``LayerTargets.inputs`` of the router's full-context input ``z_C`` (not a matrix output)
 ROUTER_Z = "moe.z"

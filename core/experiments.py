@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ctxpatch.core.errors import UserError
-from ctxpatch.core.options import METHODS
-from ctxpatch.core.results import nan_max
+from .errors import UserError
+from .options import METHODS
+from .results import nan_max
 
 PAPER_PROMPTS = (
     "Write a single-sentence weather forecast for Mars, from the perspective of a slightly "
@@ -71,10 +71,10 @@ def run_grid(model: str, out: Path, jobs: Sequence[Job], tokens: int, device: st
     context of a chat-template prompt (the model's processor makes its tokens)."""
     from transformers.utils import logging as hf_logging
 
-    from ctxpatch.core.compare import Settings
-    from ctxpatch.core.export import write_json
-    from ctxpatch.core.loading import load_model
-    from ctxpatch.core.prompt import build_prompt
+    from .compare import Settings
+    from .export import write_json
+    from .loading import load_model
+    from .prompt import build_prompt
 
     hf_logging.disable_progress_bar()  # one progress line per run instead
     runs_dir = out / "runs"
@@ -94,11 +94,11 @@ def run_grid(model: str, out: Path, jobs: Sequence[Job], tokens: int, device: st
         settings = Settings(max_new_tokens=tokens, method=job.method, absorb="all",
                             layers=job.layers)
         if job.prompt < 0:
-            from ctxpatch.core.images import read_image
+            from .images import read_image
 
             if image is None:
                 raise UserError("the image runs need a picture")
-            from ctxpatch.core.prompt import has_chat_template
+            from .prompt import has_chat_template
 
             query = IMAGE_QUERY  # in the chat template when the model has one (instruct models)
             prompt = build_prompt(loaded.tokenizer, "", query,
@@ -108,7 +108,7 @@ def run_grid(model: str, out: Path, jobs: Sequence[Job], tokens: int, device: st
         else:
             query = PAPER_PROMPTS[job.prompt]
             prompt = build_prompt(loaded.tokenizer, "", query)
-        from ctxpatch.core.runs import run_comparison
+        from .runs import run_comparison
 
         run = run_comparison(loaded, prompt, settings,
                              {"model": model, "dtype": job.dtype, "context": "", "query": query,

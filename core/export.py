@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from ctxpatch.core.compare import Settings, StepResult, summarize
-from ctxpatch.core.results import conditioning
-from ctxpatch.core.errors import UserError
-from ctxpatch.core.images import ImageInfo
-from ctxpatch.core.prompt import Prompt
+from .compare import Settings, StepResult, summarize
+from .errors import UserError
+from .images import ImageInfo
+from .prompt import Prompt
+from .results import conditioning
 
 SCHEMA_VERSION = 1
 PATCHES_FORMAT = "ctxpatch-patches/2"  # /2: float64 tensors for float64 runs, conditioning

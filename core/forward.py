@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ctxpatch.core.images import input_rules, vision_kwargs
+from .images import input_rules, vision_kwargs
 
 
 @contextmanager

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ctxpatch.core.errors import UserError
+from .errors import UserError
 
 #: image+text model types whose language model is one of our adapters' families, and which are
 #: tested (tiny random models in float64, their processors built without torchvision). Others with

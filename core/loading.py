@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from ctxpatch.core.adapters import Adapter, adapter_for_config
-from ctxpatch.core.errors import Cancelled, UserError
-from ctxpatch.core.footprint import DEMOS, demo_folder
-from ctxpatch.core.offload import execution_device
-from ctxpatch.core.placement import Placement, no_fit
+from .adapters import Adapter, adapter_for_config
+from .errors import Cancelled, UserError
+from .footprint import DEMOS, demo_folder
+from .offload import execution_device
+from .placement import Placement, no_fit
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -333,7 +333,7 @@ def load_model(
     placement.validate()
     torch_device = resolve_device(device)
     if placement.offload_folder:  # (read the weights' size only when disk space matters)
-        from ctxpatch.core.footprint import estimate
+        from .footprint import estimate
 
         found = estimate(spec, dtype)
         placement.check_disk(found.bytes if found is not None else None)
@@ -418,7 +418,7 @@ def _processor(source: str, kwargs: dict[str, Any], trust_remote_code: bool, con
     processor that needs torchvision (`core.images.processor_class`)."""
     from transformers import AutoProcessor
 
-    from ctxpatch.core.images import processor_class
+    from .images import processor_class
 
     options = {"local_files_only": kwargs.get("local_files_only", False),
                "trust_remote_code": trust_remote_code}

@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from ctxpatch.core.errors import UserError
+from .errors import UserError
 
 #: the output name meaning standard output
 STDOUT = "-"

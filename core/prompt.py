@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ctxpatch.core.errors import UserError
-from ctxpatch.core.images import ImageInfo, encode_image, image_layout, image_marker, text_only
-from ctxpatch.core.options import ABSORB_MODES
+from .errors import UserError
+from .images import ImageInfo, encode_image, image_layout, image_marker, text_only
+from .options import ABSORB_MODES
 
 #: segment kinds that absorb mode "context" takes out of the reduced sequence
 ABSORBED = ("context", "image")

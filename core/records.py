@@ -11,9 +11,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ctxpatch.core.errors import UserError
-from ctxpatch.core.images import ImageInfo
-from ctxpatch.core.prompt import Prompt, Segment
+from .errors import UserError
+from .images import ImageInfo
+from .prompt import Prompt, Segment
 
 SUPPORTED_SCHEMAS = (1,)
 
@@ -34,14 +34,14 @@ def _float(x: Any) -> float:
 
 
 def _topk(items: list[dict[str, Any]]) -> Any:
-    from ctxpatch.core.compare import TopK
+    from .compare import TopK
 
     return TopK(tuple(int(i["id"]) for i in items), tuple(str(i["text"]) for i in items),
                 tuple(_float(i["prob"]) for i in items))
 
 
 def _side(token: dict[str, Any], match: bool, linf: Any, tvd: Any, top: list[Any]) -> Any:
-    from ctxpatch.core.compare import Side
+    from .compare import Side
 
     return Side(int(token["id"]), str(token["text"]), bool(match), _float(linf), _float(tvd),
                 _topk(top))
@@ -49,7 +49,7 @@ def _side(token: dict[str, Any], match: bool, linf: Any, tvd: Any, top: list[Any
 
 def step_from_dict(d: dict[str, Any], full_ids: tuple[int, ...]) -> Any:
     """One step of a record; ``full_ids`` is the full-context sequence up to this step."""
-    from ctxpatch.core.compare import StepResult
+    from .compare import StepResult
 
     c, top = d["control"], d["top_k"]
     return StepResult(

@@ -10,13 +10,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ctxpatch.core.compare import Settings, StepResult, iter_token_patches, resolve_control_row
-from ctxpatch.core.controllability import LayerPlan, plan, record_section
-from ctxpatch.core.errors import UserError
-from ctxpatch.core.export import run_record
-from ctxpatch.core.loading import LoadedModel
-from ctxpatch.core.prompt import Prompt
-from ctxpatch.core.results import nan_max
+from .compare import Settings, StepResult, iter_token_patches, resolve_control_row
+from .controllability import LayerPlan, plan, record_section
+from .errors import UserError
+from .export import run_record
+from .loading import LoadedModel
+from .prompt import Prompt
+from .results import nan_max
 
 
 def record_of(model: dict[str, Any], prompt: Prompt, settings: Settings,

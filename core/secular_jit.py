@@ -27,7 +27,8 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 

@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from ctxpatch.core.errors import Cancelled, UserError
-from ctxpatch.core.export import PATCHES_FORMATS, patch_step_meta
-from ctxpatch.core.forward import last_logits, logit_distance, rolled_back, written_
-from ctxpatch.core.loading import LoadedModel
+from .errors import Cancelled, UserError
+from .export import PATCHES_FORMATS, patch_step_meta
+from .forward import last_logits, logit_distance, rolled_back, written_
+from .loading import LoadedModel
 
 _NAME = re.compile(r"^step\.(\d+)\.(.+?)(?:\[(\d+)\])?\.(u|v|delta)$")
 
@@ -243,7 +243,7 @@ def recorded_image(pf: PatchFile, path: str | None = None) -> tuple[Any, Any] | 
     """The picture a patches file was made with (its recorded path, or ``path`` instead), read
     and checked against the recorded hash; None when it was made without one. Needs no model,
     so a missing picture fails before the model loads."""
-    from ctxpatch.core.images import ImageInfo, read_image, reopen
+    from .images import ImageInfo, read_image, reopen
 
     recorded = json.loads(pf.metadata["image"]) if pf.metadata.get("image") else None
     if recorded is None:
@@ -253,7 +253,7 @@ def recorded_image(pf: PatchFile, path: str | None = None) -> tuple[Any, Any] | 
 
 def image_pixels(loaded: LoadedModel, picture: tuple[Any, Any] | None) -> dict[str, Any] | None:
     """The processor's pixel inputs for a `recorded_image` (None for None)."""
-    from ctxpatch.core.images import encode_image, text_only
+    from .images import encode_image, text_only
 
     if picture is None:
         return None

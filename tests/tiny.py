@@ -172,10 +172,9 @@ def tiny_config(name: str, vocab: int = 320) -> Any:
 
 def tiny_loaded(config: Any, dtype: torch.dtype = torch.float64, seed: int = 0) -> Any:
     """A `LoadedModel` of a random model built from ``config``."""
-    from transformers import AutoModelForCausalLM
-
     from ctxpatch.core.adapters import adapter_for_config
     from ctxpatch.core.loading import LoadedModel
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
@@ -296,10 +295,9 @@ def image_text_parts(kind: str, layers: int = 4) -> tuple[Any, Any]:
 
 def tiny_image_loaded(kind: str, dtype: torch.dtype = torch.float64, seed: int = 0) -> Any:
     """A `LoadedModel` of a random image+text model with its processor (random norms, biases)."""
-    from transformers import AutoModelForImageTextToText
-
     from ctxpatch.core.adapters import adapter_for_config
     from ctxpatch.core.loading import LoadedModel
+    from transformers import AutoModelForImageTextToText
 
     config, processor = image_text_parts(kind)
     torch.manual_seed(seed)

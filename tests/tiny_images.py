@@ -39,9 +39,8 @@ def _qwen_vision_processor(processor_cls: Any) -> tuple[Any, dict[str, int]]:
     """The Qwen-VL processor for pictures only, and the config's special-token ids: the 4:3
     sample picture at 64 x 48 pixels, 8 x 6 patches of 8, a 4 x 3 grid of tokens after the
     2 x 2 merge (Qwen2-VL, Qwen2.5-VL and Qwen3-VL alike)."""
-    from transformers import Qwen2VLImageProcessorPil
-
     from ctxpatch.core.images import pictures_only
+    from transformers import Qwen2VLImageProcessorPil
 
     tok = _tokenizer(["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"],
                      {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
@@ -97,9 +96,8 @@ def _qwen3_vl(layers: int) -> tuple[Any, Any]:
 
 
 def _glm4v(layers: int) -> tuple[Any, Any]:
-    from transformers import Glm4vConfig, Glm4vImageProcessorPil, Glm4vProcessor
-
     from ctxpatch.core.images import pictures_only
+    from transformers import Glm4vConfig, Glm4vImageProcessorPil, Glm4vProcessor
 
     marks = ["<|image|>", "<|video|>", "<|begin_of_image|>", "<|end_of_image|>",
              "<|begin_of_video|>", "<|end_of_video|>"]
@@ -127,9 +125,8 @@ def _glm4v(layers: int) -> tuple[Any, Any]:
 
 
 def _mistral3(layers: int) -> tuple[Any, Any]:
-    from transformers import Mistral3Config, PixtralImageProcessorPil
-
     from ctxpatch.core.images import processor_class
+    from transformers import Mistral3Config, PixtralImageProcessorPil
 
     marks = {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
              "image_end_token": "[IMG_END]"}
@@ -222,9 +219,8 @@ def _idefics2(layers: int) -> tuple[Any, Any]:
 
 
 def _smolvlm(layers: int) -> tuple[Any, Any]:
-    from transformers import SmolVLMConfig, SmolVLMImageProcessorPil, SmolVLMProcessor
-
     from ctxpatch.core.images import pictures_only
+    from transformers import SmolVLMConfig, SmolVLMImageProcessorPil, SmolVLMProcessor
 
     tok = _tokenizer(["<fake_token_around_image>", "<image>", "<end_of_utterance>", *GRID_TOKENS],
                      {})
@@ -246,13 +242,12 @@ def _smolvlm(layers: int) -> tuple[Any, Any]:
 
 
 def _llava_onevision(layers: int) -> tuple[Any, Any]:
+    from ctxpatch.core.images import pictures_only
     from transformers import (
         LlavaOnevisionConfig,
         LlavaOnevisionImageProcessorPil,
         LlavaOnevisionProcessor,
     )
-
-    from ctxpatch.core.images import pictures_only
 
     tok = _tokenizer(["<image>", "<video>"], {"image_token": "<image>", "video_token": "<video>"})
     # any-resolution tiles of 32 x 32 (4 x 4 patches of 8 pixels, SigLIP: no CLS): the 4:3
@@ -276,9 +271,8 @@ def _llava_onevision(layers: int) -> tuple[Any, Any]:
 
 
 def _internvl(layers: int) -> tuple[Any, Any]:
-    from transformers import GotOcr2ImageProcessorPil, InternVLConfig, InternVLProcessor
-
     from ctxpatch.core.images import pictures_only
+    from transformers import GotOcr2ImageProcessorPil, InternVLConfig, InternVLProcessor
 
     roles = {"start_image_token": "<img>", "end_image_token": "</img>",
              "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
@@ -301,6 +295,7 @@ def _internvl(layers: int) -> tuple[Any, Any]:
 
 
 def _gemma4(layers: int) -> tuple[Any, Any]:
+    from ctxpatch.core.images import pictures_only
     from tiny_hybrid import FAMILIES as TEXT
     from transformers import (
         Gemma4AudioFeatureExtractor,
@@ -308,8 +303,6 @@ def _gemma4(layers: int) -> tuple[Any, Any]:
         Gemma4ImageProcessorPil,
         Gemma4Processor,
     )
-
-    from ctxpatch.core.images import pictures_only
 
     roles = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
              "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"}

@@ -17,16 +17,16 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ctxpatch.app.state import RunState
-from ctxpatch.core.controllability import conditioning_line, outcome
-from ctxpatch.core.results import conditioning
+from ...core.controllability import conditioning_line, outcome
+from ...core.results import conditioning
+from ..state import RunState
 
 COLUMNS = ("layer", "mixer", "input control", "output control", "seen in the weights",
            "this run")
 
 
 def param_list(names: tuple[str, ...], layer: int) -> str:
-    from ctxpatch.app.state import param_key
+    from ..state import param_key
 
     return ", ".join(param_key(n, layer) for n in names) or "—"
 

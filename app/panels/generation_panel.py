@@ -15,8 +15,8 @@ from typing import Any
 from PySide6.QtCore import QEvent, Qt, QUrl
 from PySide6.QtWidgets import QLabel, QSplitter, QTextBrowser, QVBoxLayout, QWidget
 
-from ctxpatch.app.state import RunState
-from ctxpatch.app.theme import is_dark
+from ..state import RunState
+from ..theme import is_dark
 
 THUMB_HEIGHT = 64  # the context image in the with-context pane
 
@@ -109,7 +109,7 @@ class QtGenerationPanel(QWidget):
         started = self.state.started
         if started is None:
             return "", ""
-        from ctxpatch.core.prompt import ABSORBED
+        from ...core.prompt import ABSORBED
 
         segments = started.prompt.segments
         image = started.prompt.image

@@ -25,8 +25,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ctxpatch import resources
-from ctxpatch.app import dialogs
+from ... import resources
+from .. import dialogs
 
 
 class QtInputPanel(QGroupBox):

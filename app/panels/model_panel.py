@@ -17,9 +17,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ctxpatch.app import dialogs
-from ctxpatch.core.options import ABSORB_MODES as ABSORB
-from ctxpatch.core.options import DEVICES, DTYPES, METHODS, SCOPES
+from ...core.options import ABSORB_MODES as ABSORB
+from ...core.options import DEVICES, DTYPES, METHODS, SCOPES
+from .. import dialogs
 
 PLACEMENTS = ("one device", "auto", "balanced", "sequential")
 ABLATIONS = ("input and output", "no input patches", "no output patches (frozen)")
@@ -156,7 +156,7 @@ class QtModelPanel(QGroupBox):
         return {"trust_remote_code": self.trust.isChecked(), "allow_pickle": self.pickle.isChecked()}
 
     def _on_model_edited(self, *_: Any) -> None:
-        from ctxpatch.core.footprint import estimate
+        from ...core.footprint import estimate
 
         fp = estimate(self.spec(), self.dtype.currentText())
         self.footprint.setText(footprint_text(fp) if fp else "unknown until loaded")
@@ -249,7 +249,7 @@ def parameter_count(n: int) -> str:
 def footprint_text(fp: Any) -> str:
     """The memory estimate (`core.footprint.Footprint`) with a parameter count that reads well
     for small models too (0.3 M, not "0 M")."""
-    from ctxpatch.core.footprint import _human
+    from ...core.footprint import _human
 
     cache = fp.run_cache_bytes()
     kv = f" + {_human(cache)} of KV caches per 1,000 tokens" if cache else ""

@@ -13,9 +13,9 @@ import pyqtgraph as pg
 from PySide6.QtCore import QEvent, QRectF, Qt
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
-from ctxpatch.app.panels.plots_panel import TokenAxis
-from ctxpatch.app.state import RunState
-from ctxpatch.app.theme import series_colors, style_graphics
+from ..state import RunState
+from ..theme import series_colors, style_graphics
+from .plots_panel import TokenAxis
 
 FLOOR = 1e-30
 HOVER_HINT = "Hover over the heatmap for a cell's layer, token, parameter and value."

@@ -18,8 +18,8 @@ from PySide6.QtCore import QEvent, Qt
 from PySide6.QtGui import QFontMetricsF
 from PySide6.QtWidgets import QCheckBox, QLabel, QVBoxLayout, QWidget
 
-from ctxpatch.app.state import RunState
-from ctxpatch.app.theme import legend_style, series_colors, style_graphics
+from ..state import RunState
+from ..theme import legend_style, series_colors, style_graphics
 
 #: log plots cannot show 0; exact zeros are drawn at this floor
 FLOOR = 1e-12

@@ -4,12 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from ctxpatch.core.adapters import falcon, gemma3, gpt2, llama, moe, olmo2, parallel
-from ctxpatch.core.adapters import gemma3n, gemma4, hybrid
-from ctxpatch.core.adapters import classic, dense2025
-from ctxpatch.core.adapters import moe_shared
-from ctxpatch.core.adapters.base import Adapter, LayerSites, decoder_layers
-from ctxpatch.core.errors import UserError
+from ..errors import UserError
+from . import (
+    classic,
+    dense2025,
+    falcon,
+    gemma3,
+    gemma3n,
+    gemma4,
+    gpt2,
+    hybrid,
+    llama,
+    moe,
+    moe_shared,
+    olmo2,
+    parallel,
+)
+from .base import Adapter, LayerSites, decoder_layers
 
 ADAPTERS: tuple[Adapter, ...] = (
     gemma3.ADAPTER,
@@ -85,7 +96,7 @@ def readme_with_families(readme: str) -> str:
 
 def adapter_for_config(config: Any) -> Adapter:
     """The adapter for a transformers config, or a `UserError` naming the supported families."""
-    from ctxpatch.core.images import check_image_text
+    from ..images import check_image_text
 
     check_image_text(config)
     model_type = getattr(config, "model_type", None)

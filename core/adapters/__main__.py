@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ctxpatch.core.adapters import families_markdown, readme_with_families
+from . import families_markdown, readme_with_families
 
 if len(sys.argv) > 1:
     path = Path(sys.argv[1])

@@ -38,9 +38,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from ctxpatch.core.adapters.base import LayerSites
-from ctxpatch.core.adapters.declarative import Layout, declarative, parallel_layout
-from ctxpatch.core.errors import UserError
+from ..errors import UserError
+from .base import LayerSites
+from .declarative import Layout, declarative, parallel_layout
 
 _PARALLEL = ("parallel block: once the layer input matches, the MLP input does not depend on the "
              "context; the input patches are then ~0 and the output control does the work")

@@ -24,7 +24,7 @@ from typing import Any
 
 from torch import nn
 
-from ctxpatch.core.adapters.base import Adapter, LayerSites, SourceKind
+from .base import Adapter, LayerSites, SourceKind
 
 #: tensor-parallel styles of a matrix whose outputs are split (the MLP's input side) ...
 _COLWISE = ("colwise", "packed_colwise")

@@ -29,7 +29,7 @@ row-wise = output side, `core.adapters.declarative`) unless a layout names them.
 
 from __future__ import annotations
 
-from ctxpatch.core.adapters.declarative import POST_NORM_CONTROLS, Layout, declarative
+from .declarative import POST_NORM_CONTROLS, Layout, declarative
 
 _NO_POST_NORM = ("no post-MLP norm: the down matrix absorbs the attention shift",
                  "method 'stable' equals 'direct' (it only changes post-norm scale families)")

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ctxpatch.core.adapters.base import Adapter, LayerSites
-from ctxpatch.core.adapters.parallel import dense_sites
+from .base import Adapter, LayerSites
+from .parallel import dense_sites
 
 
 def _sites(layer: nn.Module) -> LayerSites:

@@ -28,10 +28,8 @@ Mirrors ``transformers/models/gemma3n/modeling_gemma3n.py`` (`Gemma3nTextDecoder
 
 from __future__ import annotations
 
-
-from ctxpatch.core.adapters import gemma3
-from ctxpatch.core.adapters.base import Adapter
-
+from . import gemma3
+from .base import Adapter
 
 ADAPTER = Adapter(
     family="Gemma 3n",

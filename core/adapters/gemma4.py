@@ -34,8 +34,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ctxpatch.core.adapters import gemma3
-from ctxpatch.core.adapters.base import Adapter, LayerSites
+from . import gemma3
+from .base import Adapter, LayerSites
 
 
 def _sites(layer: nn.Module) -> LayerSites:

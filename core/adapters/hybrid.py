@@ -59,7 +59,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ctxpatch.core.adapters.base import Adapter, LayerSites, SharedExpert
+from .base import Adapter, LayerSites, SharedExpert
 
 
 def _qwen3_5_sites(layer: nn.Module) -> LayerSites:

@@ -45,8 +45,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ctxpatch.core.adapters import llama
-from ctxpatch.core.adapters.base import Adapter, LayerSites
+from . import llama
+from .base import Adapter, LayerSites
 
 
 def _sites(layer: nn.Module) -> LayerSites:

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ctxpatch.core.adapters.base import Adapter, ExpertsView, LayerSites, SharedExpert
+from .base import Adapter, ExpertsView, LayerSites, SharedExpert
 
 
 def _mlp_inputs(mlp: nn.Module) -> tuple[tuple[str, nn.Module], ...]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ctxpatch.core.adapters.base import Adapter, LayerSites
+from .base import Adapter, LayerSites
 
 
 def _sites(layer: nn.Module) -> LayerSites:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ctxpatch.core.adapters.base import Adapter, LayerSites
+from .base import Adapter, LayerSites
 
 
 def _gptj(layer: nn.Module) -> LayerSites:

@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from ctxpatch.app.jobs import RunStarted
 from ctxpatch.app.main_window import MainWindow
 from ctxpatch.core.compare import Side, StepResult, TopK
@@ -128,9 +127,8 @@ def test_token_match_is_drawn_with_markers_not_zigzags(window: MainWindow) -> No
 
 
 def test_palette_is_okabe_ito_on_light_and_dark() -> None:
-    from PySide6.QtGui import QColor, QPalette
-
     from ctxpatch.app.theme import OKABE_ITO, series_colors
+    from PySide6.QtGui import QColor, QPalette
 
     light, dark = QPalette(), QPalette()
     light.setColor(QPalette.ColorRole.Window, QColor("#f0f0f0"))

@@ -76,8 +76,6 @@ def test_a_run_without_the_control_reports_it_empty(qtbot: Any, tiny_model_dir: 
 
 def test_settings_are_a_readable_table_and_pages_keep_headings_with_what_follows(
         qtbot: Any, tiny_model_dir: str, tmp_path: Path) -> None:
-    from PySide6.QtCore import QSizeF
-
     from ctxpatch.app.report import (
         FIGURE_PT,
         PLOT_SIZE,
@@ -87,6 +85,7 @@ def test_settings_are_a_readable_table_and_pages_keep_headings_with_what_follows
         report_document,
     )
     from ctxpatch.core.records import run_from_record
+    from PySide6.QtCore import QSizeF
 
     record = _compare(tiny_model_dir, tmp_path, "r.html", "--max-new-tokens", "1")
     text = (tmp_path / "r.html").read_text()
@@ -114,10 +113,9 @@ def test_settings_are_a_readable_table_and_pages_keep_headings_with_what_follows
 
 def test_figures_are_drawn_at_their_shown_size(qtbot: Any, tiny_model_dir: str,
                                                tmp_path: Path) -> None:
-    from PySide6.QtGui import QImage
-
     from ctxpatch.app.report import PLOT_SIZE, PNG_SCALE, plot_images
     from ctxpatch.core.records import run_from_record
+    from PySide6.QtGui import QImage
 
     record = _compare(tiny_model_dir, tmp_path, "r.html")
     png, _ = plot_images(run_from_record(record))["per-token"]

@@ -7,9 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tiny_images import ALL_FAMILIES
-
 from ctxpatch.app.cli import main
+from tiny_images import ALL_FAMILIES
 
 
 def test_reproduce_runs_the_grid_and_resumes(qtbot: Any, tiny_model_dir: str, tmp_path: Path,

@@ -6,10 +6,8 @@ import sys
 from typing import Any
 
 import pytest
-
-from PySide6.QtGui import QImage
-
 from ctxpatch.app.cli import main
+from PySide6.QtGui import QImage
 
 
 def test_screenshot_runs_to_the_end_and_saves_the_window(

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from ctxpatch.app.main_window import MainWindow
 from ctxpatch.app.session import autosave_path, load_session
 from ctxpatch.core.errors import UserError

@@ -11,12 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from ctxpatch.app.main_window import MainWindow
 from ctxpatch.app.session import SessionError, autosave_path, load_session, shown_run
 from ctxpatch.core.records import run_from_record
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 FIXTURE = Path(__file__).parent / "fixtures" / "session_v0.json"
 V0 = json.loads(FIXTURE.read_text())

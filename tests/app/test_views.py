@@ -6,7 +6,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from ctxpatch.app.jobs import RunStarted
 from ctxpatch.app.main_window import MainWindow
 from ctxpatch.app.panels.generation_panel import COLORS, token_html

@@ -6,10 +6,9 @@ import json
 from typing import Any
 
 import pytest
+from ctxpatch.app.main_window import MainWindow
 from PySide6.QtCore import Qt
 from windows import open_window, run_to_end
-
-from ctxpatch.app.main_window import MainWindow
 
 N = 6  # tokens per run
 LAYERS = 4  # tests/tiny.py llama_config

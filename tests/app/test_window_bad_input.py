@@ -8,9 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from windows import open_window, run_to_end
-
 from ctxpatch.app.main_window import MainWindow
+from windows import open_window, run_to_end
 
 N = 3
 
@@ -90,7 +89,6 @@ def test_out_of_memory_in_a_run_is_one_line_and_the_next_run_works(
     """An allocation that fails mid-run (on the worker thread) is a message with what to do;
     the worker is gone, the model stays loaded, and the next run works."""
     import torch
-
     from ctxpatch.core import compare as core_compare
 
     assert _run(qtbot, window) == "completed"

@@ -6,13 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from ctxpatch.app.main_window import MainWindow
+from ctxpatch.resources import presets, sample_image_path
 from PySide6.QtCore import QMimeData, QPointF, Qt, QUrl
 from PySide6.QtGui import QDropEvent
 from tiny_images import ALL_FAMILIES
 from windows import open_window, run_to_end
-
-from ctxpatch.app.main_window import MainWindow
-from ctxpatch.resources import presets, sample_image_path
 
 N = 4
 

@@ -6,11 +6,10 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from PySide6.QtCore import Qt
-
 from ctxpatch.app.jobs import RunStarted
 from ctxpatch.app.worker import Worker
 from ctxpatch.core.errors import Cancelled, UserError
+from PySide6.QtCore import Qt
 
 
 def _record(worker: Worker) -> list[tuple[str, Any]]:

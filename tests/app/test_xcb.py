@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from ctxpatch.app import gui
 from ctxpatch.core.errors import UserError
 

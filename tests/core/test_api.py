@@ -9,10 +9,10 @@ import threading
 from pathlib import Path
 
 import pytest
+from ctxpatch.app.cli import main
 from tiny import comparable_record, llama_config, save_tiny_folder
 
 import ctxpatch
-from ctxpatch.app.cli import main
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 CASE = {"context": "Alice lives in Paris.", "query": "Where?", "max_new_tokens": 3}

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from ctxpatch.core.errors import Cancelled
 from ctxpatch.core.export import atomic_write, write_text
 

@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny import gemma3_config, tiny_tokenizer
-
 from ctxpatch.app.cli import main
+from tiny import gemma3_config, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -187,7 +186,6 @@ def test_pickled_weights_are_refused_unless_allowed(capsys: pytest.CaptureFixtur
 def test_out_of_memory_is_one_line_with_what_to_do(capsys: pytest.CaptureFixture[str],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
-
     from ctxpatch.core import loading as core_loading
 
     def no_memory(*args, **kwargs):  # type: ignore[no-untyped-def]

@@ -9,13 +9,12 @@ import io
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from tiny import llama_config, save_tiny_folder
-
 from ctxpatch.app.cli import main
 from ctxpatch.core.errors import UserError
 from ctxpatch.core.verify import read_patches
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tiny import llama_config, save_tiny_folder
 
 FUZZ = settings(max_examples=40, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,

@@ -8,10 +8,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from tiny import save_tiny_folder, save_tiny_image_folder
-
 from ctxpatch.app.cli import main
 from ctxpatch.resources import sample_image_path
+from tiny import save_tiny_folder, save_tiny_image_folder
 
 
 @pytest.fixture(scope="module", params=["gemma3", "llava", "llava_next", "idefics3"])

@@ -9,9 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
-from tiny import llama_config, save_tiny_folder
-
 from ctxpatch.app.cli import main
+from tiny import llama_config, save_tiny_folder
 
 CASE = ["--context", "Alice lives in Paris.", "--query", "Where?", "--max-new-tokens", "2"]
 
@@ -164,8 +163,8 @@ def test_a_config_that_is_not_json_says_so(capsys, tmp_path: Path) -> None:  # t
 # --- verify: malformed files and options --------------------------------------------------
 
 def _rewrite(src: Path, dst: Path, *, steps=None, extra=None, drop=None, scale=None) -> Path:  # type: ignore[no-untyped-def]
-    from safetensors.numpy import load_file, save_file
     from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
 
     with safe_open(str(src), framework="np") as f:
         metadata = dict(f.metadata())
@@ -193,8 +192,8 @@ def test_verify_refuses_patches_for_an_unlisted_step(capsys, patches: Path, fold
 
 
 def test_verify_refuses_an_empty_step_list(capsys, patches: Path, folder: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from safetensors.numpy import save_file
     from safetensors import safe_open
+    from safetensors.numpy import save_file
 
     with safe_open(str(patches), framework="np") as f:
         metadata = dict(f.metadata())

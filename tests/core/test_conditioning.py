@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import gemma3_config, tiny_loaded
-
 from ctxpatch.core.compare import Settings, iter_token_patches
 from ctxpatch.core.export import PATCHES_FORMAT, save_patches
 from ctxpatch.core.patches import conditioned_scale, fit_down_target, stable_down_target
 from ctxpatch.core.prompt import build_prompt
 from ctxpatch.core.results import ENTRY_BOUND, conditioning
 from ctxpatch.core.verify import read_patches, verify_patches
+from tiny import gemma3_config, tiny_loaded
 
 EXACT = 1e-6
 

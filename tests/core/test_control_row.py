@@ -13,14 +13,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from tiny import TINY, gemma3_config, tiny_config, tiny_loaded
-from tiny_hybrid import ALL_LAYERS_ONLY
-
 from ctxpatch.core import engine, patches
 from ctxpatch.core.adapters import REGISTRY
 from ctxpatch.core.compare import Settings, batched_control, iter_token_patches
 from ctxpatch.core.forward import attention_only
 from ctxpatch.core.prompt import build_prompt
+from tiny import TINY, gemma3_config, tiny_config, tiny_loaded
+from tiny_hybrid import ALL_LAYERS_ONLY
 from transformers import DynamicCache
 
 QUERY = "The quick brown fox jumps over the lazy dog. Hello world!"

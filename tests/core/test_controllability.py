@@ -6,11 +6,10 @@ from __future__ import annotations
 import math
 
 import torch
-from tiny import gemma3_config, tiny_config, tiny_loaded
-
 from ctxpatch.core.compare import Settings, iter_token_patches
 from ctxpatch.core.controllability import outcome, plan, summary_lines
 from ctxpatch.core.prompt import build_prompt
+from tiny import gemma3_config, tiny_config, tiny_loaded
 
 CONTEXT, QUERY, TOKENS = "The quick brown fox jumps over the lazy dog.", "Hello world!", 4
 
@@ -98,7 +97,6 @@ def test_down_only_under_a_frozen_scale_is_the_section_7_case() -> None:
 
 def test_a_numerical_fault_stops_at_its_token_or_is_passed_as_asked() -> None:
     import pytest
-
     from ctxpatch.core.errors import UserError
 
     low = tiny_loaded(tiny_config("llama"), dtype=torch.float16)
@@ -111,9 +109,8 @@ def test_a_numerical_fault_stops_at_its_token_or_is_passed_as_asked() -> None:
 
 
 def test_a_nonfinite_patch_names_its_layer(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import pytest
-
     import ctxpatch.core.engine as engine
+    import pytest
     from ctxpatch.core.errors import UserError
     from ctxpatch.core.patches import Rank1
 

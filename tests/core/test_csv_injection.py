@@ -10,7 +10,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-
 from ctxpatch.core.export import CSV_COLUMNS, csv_text, steps_csv
 from ctxpatch.core.records import run_from_record
 

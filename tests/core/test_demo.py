@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-
 from ctxpatch.core.compare import Settings, iter_token_patches, summarize
 from ctxpatch.core.loading import load_model
 from ctxpatch.core.prompt import build_prompt

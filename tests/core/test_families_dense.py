@@ -11,13 +11,12 @@ import dataclasses
 
 import pytest
 import torch
-from tiny import tiny_config, tiny_loaded
-
 from ctxpatch.core.adapters import REGISTRY, adapter_for_config
 from ctxpatch.core.adapters.declarative import Layout, declarative, tp_plan_mlp
 from ctxpatch.core.compare import Settings, iter_token_patches
 from ctxpatch.core.errors import UserError
 from ctxpatch.core.prompt import build_prompt
+from tiny import tiny_config, tiny_loaded
 
 EXACT = 1e-6  # of the logit scale, as in test_ground_truth.py
 

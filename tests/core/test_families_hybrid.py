@@ -20,9 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import tiny_loaded
-from tiny_hybrid import ALL_LAYERS_ONLY, FAMILIES
-
 from ctxpatch.core.compare import Settings, iter_token_patches
 from ctxpatch.core.errors import UserError
 from ctxpatch.core.export import save_patches
@@ -30,6 +27,8 @@ from ctxpatch.core.forward import extend_cache, last_logits, rolled_back
 from ctxpatch.core.prompt import build_prompt
 from ctxpatch.core.results import conditioning
 from ctxpatch.core.verify import read_patches, verify_patches
+from tiny import tiny_loaded
+from tiny_hybrid import ALL_LAYERS_ONLY, FAMILIES
 
 CONTEXT = "The quick brown fox jumps over the lazy dog."
 QUERY = "Hello world!"

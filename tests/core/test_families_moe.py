@@ -14,15 +14,14 @@ import dataclasses
 
 import pytest
 import torch
-from tiny import tiny_config, tiny_loaded
-from tiny_moe import FAMILIES
-
 from ctxpatch.core.adapters.base import SharedExpert
 from ctxpatch.core.compare import Settings, iter_token_patches
 from ctxpatch.core.engine_moe import experts_view
 from ctxpatch.core.forward import last_logits
 from ctxpatch.core.prompt import build_prompt
 from ctxpatch.core.verify import materialized, patches_of_steps
+from tiny import tiny_config, tiny_loaded
+from tiny_moe import FAMILIES
 
 CONTEXT = "The quick brown fox jumps over the lazy dog."
 QUERY = "Hello world!"

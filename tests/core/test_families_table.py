@@ -9,7 +9,6 @@ import io
 from pathlib import Path
 
 import pytest
-
 from ctxpatch.app.cli import main
 from ctxpatch.core.adapters import README_MARKERS, REGISTRY, families_markdown, readme_with_families
 

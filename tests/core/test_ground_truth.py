@@ -12,13 +12,12 @@ import itertools
 
 import pytest
 import torch
-from tiny import TINY, gemma3_config, tiny_config, tiny_loaded
-
 from ctxpatch.core.compare import Settings, iter_token_patches
 from ctxpatch.core.export import save_patches
 from ctxpatch.core.prompt import build_prompt
 from ctxpatch.core.results import conditioning
 from ctxpatch.core.verify import read_patches, verify_patches
+from tiny import TINY, gemma3_config, tiny_config, tiny_loaded
 
 CONTEXT = "The quick brown fox jumps over the lazy dog."
 QUERY = "Hello world!"
@@ -199,9 +198,8 @@ def test_lower_precisions_run_and_stay_close(family: str, dtype: torch.dtype) ->
 
 def test_a_saved_moe_model_loads_and_runs_in_float64(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Loading picks the eager experts for float64 (the grouped kernel refuses it)."""
-    from tiny import save_tiny_folder
-
     from ctxpatch.core.loading import load_model
+    from tiny import save_tiny_folder
 
     save_tiny_folder(tmp_path, tiny_config("mixtral"))
     loaded = load_model(str(tmp_path), dtype="float64", device="cpu")

@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import IMAGE_SIZE, tiny_image_loaded
-from tiny_images import image_steps
-
 from ctxpatch.core.errors import UserError
 from ctxpatch.core.export import save_patches
 from ctxpatch.core.images import read_image
 from ctxpatch.core.prompt import build_prompt, check_prompt
 from ctxpatch.core.verify import image_pixels, read_patches, recorded_image, verify_patches
+from tiny import IMAGE_SIZE, tiny_image_loaded
+from tiny_images import image_steps
 
 QUERY = "Hello world!"
 CONTEXT = "The quick brown fox"

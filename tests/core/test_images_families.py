@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_images import FAMILIES, image_steps, save_family_folder
-
 from ctxpatch.core.errors import UserError
 from ctxpatch.core.export import save_patches
 from ctxpatch.core.images import vision_kwargs
@@ -24,6 +22,7 @@ from ctxpatch.core.verify import (
     verify_patches,
 )
 from ctxpatch.resources import sample_image_path
+from tiny_images import FAMILIES, image_steps, save_family_folder
 
 QUERY = "Hello world!"
 CONTEXT = "The quick brown fox"
@@ -170,9 +169,8 @@ def test_saved_patches_verify_with_the_image(loaded, folder, picture, scope, tmp
 
 def test_unsupported_image_text_family_names_the_supported_ones(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from transformers import AutoConfig
-
     from ctxpatch.app.cli import main
+    from transformers import AutoConfig
 
     AutoConfig.for_model("llama4").save_pretrained(tmp_path)
     assert main(["compare", "--model", str(tmp_path), "--image", str(sample_image_path()),

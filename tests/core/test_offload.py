@@ -9,8 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import gemma3_config, save_tiny_folder, tiny_config
-
 from ctxpatch.core.compare import Settings, iter_token_patches
 from ctxpatch.core.errors import UserError
 from ctxpatch.core.export import save_patches
@@ -18,6 +16,7 @@ from ctxpatch.core.loading import load_model
 from ctxpatch.core.placement import Placement, parse_max_memory
 from ctxpatch.core.prompt import build_prompt
 from ctxpatch.core.verify import read_patches, verify_patches
+from tiny import gemma3_config, save_tiny_folder, tiny_config
 
 CONTEXT, QUERY, TOKENS = "The quick brown fox jumps over the lazy dog.", "Hello world!", 4
 

@@ -4,10 +4,9 @@ by the engine's hooks and named by the controllability plan."""
 from __future__ import annotations
 
 import pytest
-from torch import nn
-
 from ctxpatch.core.adapters.base import LayerSites, SharedExpert
 from ctxpatch.core.controllability import output_plan
+from torch import nn
 
 _M = nn.Linear(2, 2)
 

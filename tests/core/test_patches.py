@@ -7,7 +7,6 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-
 from ctxpatch.core import patches, secular_jit
 from ctxpatch.core.patches import (
     down_patch_row,
@@ -20,8 +19,6 @@ from ctxpatch.core.patches import (
     stable_down_target,
     stable_poles,
 )
-
-
 
 #: the secular solve on the host compiled by numba (CPU tensors' default), on the host with
 #: NumPy (where numba is missing), and as on an accelerator (torch tensors)

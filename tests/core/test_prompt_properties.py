@@ -4,12 +4,11 @@ absorbed segments, positions are consistent, and nothing crashes on odd Unicode.
 
 from __future__ import annotations
 
+from ctxpatch.core.errors import UserError
+from ctxpatch.core.prompt import build_prompt, check_prompt, reduced_sequence
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny import tiny_tokenizer
-
-from ctxpatch.core.errors import UserError
-from ctxpatch.core.prompt import build_prompt, check_prompt, reduced_sequence
 
 TOK = tiny_tokenizer()
 # any Unicode (combining marks, right-to-left, emoji, NUL), but no surrogates

@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from tiny import gemma3_config, tiny_loaded
-
 from ctxpatch.core.compare import Settings, iter_token_patches
 from ctxpatch.core.errors import UserError
 from ctxpatch.core.export import run_record
 from ctxpatch.core.prompt import build_prompt
 from ctxpatch.core.records import run_from_record
+from tiny import gemma3_config, tiny_loaded
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from tiny import save_tiny_folder
-
 from ctxpatch.app.cli import main
+from tiny import save_tiny_folder
 
 REMOTE_CODE = '''
 import os

@@ -9,7 +9,6 @@ import math
 from types import SimpleNamespace
 
 import pytest
-
 from ctxpatch.app.state import RunState
 from ctxpatch.core.results import Side, StepResult, TopK, nan_max, summarize
 from ctxpatch.core.runs import verdict

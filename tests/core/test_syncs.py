@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import TINY, gemma3_config, llama_config, tiny_loaded
-from transformers import AutoConfig
-
 from ctxpatch.core.bench import counting_host_syncs, syncs_per_token
 from ctxpatch.core.compare import Settings, iter_token_patches
 from ctxpatch.core.prompt import build_prompt
+from tiny import TINY, gemma3_config, llama_config, tiny_loaded
+from transformers import AutoConfig
 
 
 def _per_token(config, **options) -> float:  # type: ignore[no-untyped-def]
