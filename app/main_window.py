@@ -255,9 +255,10 @@ class MainWindow(QMainWindow):
             self.load_model(run_after=True)
             return
         inputs = self.input_panel.values()
-        settings = {"max_new_tokens": inputs["max_new_tokens"], **self.model_panel.options()}
-        job = run_job(self.model, inputs["context"], inputs["query"], inputs["chat_template"],
-                      settings, image=inputs["image"])
+        options = {**self.model_panel.spec_options(), "context": inputs["context"],
+                   "query": inputs["query"], "chat_template": inputs["chat_template"],
+                   "image": inputs["image"] or None, "max_new_tokens": inputs["max_new_tokens"]}
+        job = run_job(self.model, options)  # (checked in the job, as one line)
         self._start(job, "run", "Running…")
 
     def cancel(self) -> None:

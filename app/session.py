@@ -34,7 +34,6 @@ from typing_extensions import NotRequired, TypedDict  # pydantic needs this Type
 from ..core.errors import UserError
 from ..core.options import (
     Absorb,
-    ControlRow,
     DeviceMap,
     Dtype,
     Method,
@@ -167,21 +166,21 @@ class _Prompt(TypedDict):
     image: NotRequired[_Image | None]
 
 
-class _RunSettings(TypedDict):
-    __pydantic_config__ = _STRICT  # type: ignore[misc]
-    max_new_tokens: Int32
-    model: NotRequired[str | None]
-    dtype: NotRequired[Dtype | None]
-    method: NotRequired[Method | None]
-    absorb: NotRequired[Absorb | None]
-    scope: NotRequired[Scope | None]
-    layers: NotRequired[str | None]
-    output_control: NotRequired[OutputControl | None]
-    disabled: NotRequired[list[PatchKind]]
-    on_fault: NotRequired[OnFault]
-    control_row: NotRequired[ControlRow]
-    context: NotRequired[str | None]
-    query: NotRequired[str | None]
+def _run_settings() -> Any:
+    """The run record's ``settings``: every `core.spec.RunSpec` field under its name, with its
+    type as JSON carries it (each may be missing or null in an older record), and
+    ``max_new_tokens``, which every writer has written."""
+    from ..core.spec import json_types
+
+    def constrained(hint: Any) -> Any:  # token counts are bounded like every count here
+        return Int32 if hint is int else hint
+
+    fields = {name: (Int32 if name == "max_new_tokens" else
+                     NotRequired[constrained(hint) | None])  # type: ignore[valid-type]
+              for name, hint in json_types().items()}
+    schema = TypedDict("_RunSettings", fields)  # type: ignore[operator]
+    schema.__pydantic_config__ = _STRICT  # type: ignore[attr-defined]
+    return schema
 
 
 class _ModelInfo(TypedDict, total=False):
@@ -247,7 +246,7 @@ def _steps_in_order(steps: list[_Step]) -> list[_Step]:
 class _Run(TypedDict):  # DESIGN.md "Run JSON"
     __pydantic_config__ = _STRICT  # type: ignore[misc]
     schema_version: Literal[1]
-    settings: _RunSettings
+    settings: Any  # `_run_settings()`, set in `_schema`
     model: _ModelInfo
     prompt: _Prompt
     steps: Annotated[list[_Step], AfterValidator(_steps_in_order)]
@@ -278,6 +277,7 @@ class _Options(TypedDict, total=False):  # QtModelPanel.save()
     output_control: OutputControl | None
     disabled: list[PatchKind]
     disable: list[PatchKind]
+    on_fault: OnFault
     device_map: Literal["one device", DeviceMap] | None  # the panel's Placement
     max_memory: str | list[str] | None
     offload_folder: str | None
@@ -296,14 +296,18 @@ class Session(TypedDict):
     current: NotRequired[int | None]
 
 
-_CHECK: TypeAdapter[Session] | None = None  # built on first use (some 0.1 s)
+_CHECK: dict[type, TypeAdapter[Session]] = {}  # per RunSpec class, built on first use (0.1 s)
 
 
 def _check(data: dict[str, Any]) -> None:
-    global _CHECK
-    if _CHECK is None:
-        _CHECK = TypeAdapter(Session)
-    _CHECK.validate_python(data)
+    from ..core import spec
+
+    cls = spec._current()
+    if cls not in _CHECK:
+        _Run.__annotations__["settings"] = _run_settings()
+        _CHECK.clear()
+        _CHECK[cls] = TypeAdapter(Session)
+    _CHECK[cls].validate_python(data)
 
 
 #: options a session never sets: they are given for one start only (QtModelPanel.restore)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -41,6 +42,8 @@ class RunState:
         self.param: str | None = None
         self.relative = False
         self.running = False
+        self.wall: float | None = None  # seconds from the run's start to its end
+        self._t0 = 0.0
         self._listeners: list[Listener] = []
         self._held: list[str] | None = None  # events held back by `batch()`
 
@@ -78,6 +81,7 @@ class RunState:
     # -- changes ------------------------------------------------------------------------------
     def reset(self, started: Any) -> None:
         self.started, self.steps, self.selected, self.running = started, [], None, True
+        self.wall, self._t0 = None, time.perf_counter()
         self._notify("reset")
 
     def add_step(self, step: Any) -> None:
@@ -89,6 +93,7 @@ class RunState:
 
     def finish(self) -> None:
         self.running = False
+        self.wall = time.perf_counter() - self._t0
         self._notify("finished")
 
     def select(self, index: int | None) -> None:

@@ -9,6 +9,7 @@ signals call into it. It owns the run list (``history``) and nothing else of the
 from __future__ import annotations
 
 import logging
+import math
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,11 @@ log = logging.getLogger("ctxpatch")
 #: session files larger than this open on the worker (about 300 tokens a megabyte: a 9,000-token
 #: run is some 30 MB and takes seconds to check and rebuild)
 SYNC_BYTES = 2 << 20
+
+
+def _real(x: Any) -> float:
+    """A record's number: JSON's null (a NaN or infinity when written) is NaN."""
+    return math.nan if x is None else float(x)
 
 
 class WindowFiles:
@@ -85,16 +91,11 @@ class WindowFiles:
             return None
         if started.record is not None:
             return started.record  # a run reopened from a session
-        from ..core.compare import Settings
         from ..core.runs import record_of
+        from ..core.spec import RunSpec
 
-        extras = ("context", "query", "chat_template", "image")
-        known = {k: v for k, v in started.settings.items() if k not in extras}
-        extra = {k: started.settings[k] for k in extras if k in started.settings}
-        extra.update(model=started.model.get("id"), dtype=started.model.get("dtype"),
-                     device=started.model.get("device"))
-        return record_of(started.model, started.prompt, Settings.from_dict(known),
-                         self._state.steps, extra, started.plan or None)
+        return record_of(started.model, started.prompt, RunSpec.from_dict(started.settings),
+                         self._state.steps, started.plan or None, self._state.wall)
 
     def export(self, kind: str, path: str | None = None) -> bool:
         """Write the current run as JSON, CSV or a report (HTML, or PDF by the file's suffix);
@@ -162,8 +163,9 @@ class WindowFiles:
                 if i == self.history_index:
                     continue
                 steps = record.get("steps", [])
-                series = {"linf": np.array([float(s["linf"] or 0.0) for s in steps]),
-                          "tvd": np.array([float(s["tvd"] or 0.0) for s in steps]),
+                # (null in a record is NaN: the NaN rule of the summaries, never 0.0)
+                series = {"linf": np.array([_real(s["linf"]) for s in steps]),
+                          "tvd": np.array([_real(s["tvd"]) for s in steps]),
                           "match": np.array([float(bool(s["match"])) for s in steps])}
                 runs.append((short_label(record, i), series))
         shown = (short_label(self.history[self.history_index], self.history_index)

@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=20)
     args = ap.parse_args()
     from ctxpatch.core.bench import _generate
-    from ctxpatch.core.compare import Settings, iter_token_patches
+    from ctxpatch.core.compare import RunSpec, iter_token_patches
     from ctxpatch.core.prompt import build_prompt
 
     import ctxpatch
@@ -44,7 +44,7 @@ def main() -> None:
     prompt = build_prompt(loaded.tokenizer, "", MARS)
 
     def run(kw: dict) -> None:
-        settings = Settings(max_new_tokens=args.tokens, absorb="all", **kw)
+        settings = RunSpec(max_new_tokens=args.tokens, absorb="all", **kw)
         list(iter_token_patches(loaded, prompt, settings))
 
     times: dict[str, list[float]] = {name: [] for name in ["generate", *variants]}

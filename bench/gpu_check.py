@@ -54,7 +54,7 @@ def main() -> None:
     import torch
     from ctxpatch.core.adapters import adapter_for_config
     from ctxpatch.core.bench import machine, measure_time
-    from ctxpatch.core.compare import Settings
+    from ctxpatch.core.compare import RunSpec
     from ctxpatch.core.loading import DTYPES, LoadedModel, resolve_device
     from ctxpatch.core.prompt import Prompt, Segment
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -72,7 +72,7 @@ def main() -> None:
                              "config", DTYPES[dtype], device)
         for tokens in (int(t) for t in args.tokens.split(",")):
             for name, control, row_kind, method in VARIANTS:
-                settings = Settings(max_new_tokens=tokens, absorb="all", control=control,
+                settings = RunSpec(max_new_tokens=tokens, absorb="all", control=control,
                                     control_row=row_kind, method=method)
                 t0 = time.perf_counter()
                 r = measure_time(loaded, prompt, settings, args.repeats, lambda *a: None)

@@ -20,7 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ctxpatch.core.compare import Settings, iter_token_patches  # noqa: E402
+from ctxpatch.core.compare import RunSpec, iter_token_patches  # noqa: E402
 from ctxpatch.core.loading import load_model  # noqa: E402
 from ctxpatch.core.placement import Placement  # noqa: E402
 from ctxpatch.core.prompt import build_prompt  # noqa: E402
@@ -41,8 +41,8 @@ def _half_budget(whole: Any) -> int:
 
 def _run(loaded, tokens: int) -> dict:  # type: ignore[no-untyped-def]
     prompt = build_prompt(loaded.tokenizer, "", MARS)
-    settings = Settings(max_new_tokens=tokens, absorb="all")
-    list(iter_token_patches(loaded, prompt, Settings(max_new_tokens=2, absorb="all")))  # warm-up
+    settings = RunSpec(max_new_tokens=tokens, absorb="all")
+    list(iter_token_patches(loaded, prompt, RunSpec(max_new_tokens=2, absorb="all")))  # warm-up
     start = time.perf_counter()
     steps = list(iter_token_patches(loaded, prompt, settings))
     seconds = time.perf_counter() - start

@@ -118,35 +118,35 @@ def measure_time(loaded: Any, prompt: Any, settings: Any, repeats: int,
 
 CHILD = """
 import json, sys
-from .bench import child_main
+from ctxpatch.core.bench import child_main
 print(json.dumps(child_main(json.loads(sys.argv[1]))))
 """
 
 
-def child_main(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run one side once and report its peak memory (in a fresh process)."""
+def child_main(job: dict[str, Any]) -> dict[str, Any]:
+    """Run one side (``job["side"]``) of a spec (``job["spec"]``, `RunSpec.to_dict`) once and
+    report its peak memory (in a fresh process)."""
     import resource
 
     import torch
 
-    from .compare import Settings
-    from .images import read_image
-    from .loading import load_model
     from .prompt import build_prompt
+    from .runs import load, prepare
+    from .spec import RunSpec
 
-    loaded = load_model(spec["model"], dtype=spec["dtype"], device=spec["device"])
-    picture = read_image(spec["image"]) if spec.get("image") else None
-    prompt = build_prompt(loaded.tokenizer, spec["context"], spec["query"], spec["chat_template"],
+    spec = RunSpec.from_dict(job["spec"])
+    picture = prepare(spec) if spec.image else None
+    loaded = load(spec)
+    prompt = build_prompt(loaded.tokenizer, spec.context, spec.query, spec.chat_template,
                           image=picture, processor=loaded.processor)
-    settings = Settings.from_dict(spec["settings"])
     cuda = loaded.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(loaded.device)
     before = torch.cuda.max_memory_allocated(loaded.device) if cuda else 0
-    if spec["side"] == "generate":
-        _generate(loaded, prompt, settings.max_new_tokens)
+    if job["side"] == "generate":
+        _generate(loaded, prompt, spec.max_new_tokens)
     else:
-        _compare(loaded, prompt, settings)
+        _compare(loaded, prompt, spec)
     if cuda:
         peak = torch.cuda.max_memory_allocated(loaded.device)
         return {"peak_bytes": peak, "kind": "CUDA peak allocated", "model_bytes": before}
@@ -154,10 +154,12 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     return {"peak_bytes": peak_kb * 1024, "kind": "peak resident memory"}
 
 
-def measure_memory(spec: dict[str, Any]) -> dict[str, Any]:
+def measure_memory(spec: Any) -> dict[str, Any]:
+    """Peak memory of plain generate and of the comparison, each in a child process."""
     out: dict[str, Any] = {}
     for side in ("generate", "compare"):
-        proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps({**spec, "side": side})],
+        job = json.dumps({"spec": spec.to_dict(), "side": side})
+        proc = subprocess.run([sys.executable, "-c", CHILD, job],
                               capture_output=True, text=True, env=os.environ.copy())
         if proc.returncode != 0:
             tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]

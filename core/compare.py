@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -41,22 +40,8 @@ from .forward import (
 )
 from .loading import LoadedModel
 from .offload import resident
-from .options import (
-    CONTROL_ROWS,
-    METHODS,
-    ON_FAULT,
-    PATCH_KINDS,
-    SCOPES,
-    Absorb,
-    ControlRow,
-    Method,
-    OnFault,
-    OutputControl,
-    PatchKind,
-    Scope,
-)
 from .patches import Delta, Rank1
-from .prompt import ABSORB_MODES, Prompt, check_prompt, reduced_sequence
+from .prompt import Prompt, check_prompt, reduced_sequence
 from .results import (
     ENTRY_BOUND,
     LAYER_MEASURES,
@@ -67,118 +52,7 @@ from .results import (
     TopK,
     summarize,
 )
-
-#: the longest top-k list a step records (the window shows a few; the JSON keeps them all)
-MAX_TOP_K = 1000
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Everything that decides a run, with the app's defaults."""
-
-    max_new_tokens: int = 20  # tokens generated (and patched) per run
-    method: Method = "direct"  # "direct" (Theorem 1) or "stable" (Appendix B)
-    absorb: Absorb = "context"  # "context": Y = context segments; "all": Y = everything before
-    scope: Scope = "all-positions"  # patches act on every reduced position, or on the query only
-    layers: str = "all"  # "all", "s:", "s:e", "0,5,17"
-    keep_bos: bool = False  # absorb "all": keep BOS at position 0 in the reduced sequence
-    output_control: OutputControl | None = None  # None: the family's default (the paper's choice)
-    top_k: int = 5  # top-k lists kept per step
-    stop_at_eos: bool = False  # stop when the baseline emits an end-of-sequence token
-    keep_patches: bool = False  # keep every step's patch vectors (for --save-patches)
-    disabled: frozenset[PatchKind] = frozenset()  # patch kinds left out (negative controls)
-    on_fault: OnFault = "stop"  # a NaN or infinity in logits or patches: "stop" or "continue"
-    control: bool = True  # also run the unpatched model on the reduced sequence (a third pass)
-    # the control as a batch row beside the patched one ("batched": one pass of two rows, whose
-    # time counts as the patched pass's) or a pass of its own; "auto": `batched_control`'s rule
-    control_row: ControlRow = "auto"
-
-    def validate(self) -> None:
-        for name, value, allowed in (
-            ("method", self.method, METHODS),
-            ("absorb", self.absorb, ABSORB_MODES),
-            ("scope", self.scope, SCOPES),
-        ):
-            if value not in allowed:
-                raise UserError(f"unknown {name} {value!r}: use one of {', '.join(allowed)}")
-        if not 1 <= self.max_new_tokens <= 100_000:
-            raise UserError(f"max new tokens must be between 1 and 100000, not {self.max_new_tokens}")
-        if not 1 <= self.top_k <= MAX_TOP_K:
-            raise UserError(f"top-k must be between 1 and {MAX_TOP_K}, not {self.top_k}")
-        if self.on_fault not in ON_FAULT:
-            raise UserError(f"unknown on_fault {self.on_fault!r}: use stop or continue")
-        if self.control_row not in CONTROL_ROWS:
-            raise UserError(f"unknown control row {self.control_row!r}: use one of "
-                            f"{', '.join(CONTROL_ROWS)}")
-        if not self.disabled <= set(PATCH_KINDS):
-            raise UserError(f"disabled patch kinds must be among {', '.join(PATCH_KINDS)}")
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["disabled"] = sorted(self.disabled)
-        return d
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Settings:
-        """Build from a dict, warning about and dropping unknown keys."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            warnings.warn(f"ignoring unknown settings: {', '.join(unknown)}", stacklevel=2)
-        kept = {k: v for k, v in data.items() if k in known}
-        if "disabled" in kept:
-            kept["disabled"] = frozenset(kept["disabled"])
-        return cls(**kept)
-
-
-def parse_layers(spec: str, n: int | None) -> list[int]:
-    """Parse a layer selection: "all", "s:", ":e", "s:e", "0,5,17" (negatives count from the end).
-
-    With ``n=None`` only the syntax is checked (before a model is loaded).
-
-    Raises:
-        UserError: on malformed text, an empty selection or a layer outside 0..n-1.
-    """
-    text = spec.strip().lower()
-    hint = (
-        f"malformed layers {spec!r}: use 'all', a start like '10:', a range like '2:8' "
-        "or a list like '0,5,17'" + ("" if n is None else f" (the model has layers 0..{n - 1})")
-    )
-    if n is None:  # the syntax alone: each part a layer or a range of them
-        import re
-
-        if text not in ("all", "") and not all(
-                re.fullmatch(r"\s*(-?\d+|-?\d*\s*:\s*-?\d*)\s*", part)
-                for part in text.split(",")):
-            raise UserError(hint)
-        return []
-    if text in ("all", ""):
-        return list(range(n))
-    chosen: set[int] = set()
-    for part in text.split(","):
-        part = part.strip()
-        try:
-            if part.count(":") > 1:
-                raise ValueError(part)
-            if ":" in part:
-                lo_s, _, hi_s = part.partition(":")
-                lo = int(lo_s) if lo_s.strip() else 0
-                hi = int(hi_s) if hi_s.strip() else n
-                lo, hi = (lo + n if lo < 0 else lo), (hi + n if hi < 0 else hi)
-                if not (0 <= lo < n and 0 < hi <= n):
-                    raise UserError(f"layers {spec!r} out of range: the model has layers 0..{n - 1}")
-                chosen.update(range(lo, hi))
-            else:
-                i = int(part)
-                i = i + n if i < 0 else i
-                if not 0 <= i < n:
-                    raise UserError(f"layer {part} out of range: the model has layers 0..{n - 1}")
-                chosen.add(i)
-        except ValueError:
-            raise UserError(hint) from None
-    if not chosen:
-        raise UserError(hint)
-    return sorted(chosen)
+from .spec import MAX_TOP_K, RunSpec, parse_layers
 
 
 class _Host:
@@ -394,7 +268,7 @@ def _eos_ids(loaded: LoadedModel) -> set[int]:
     return ids
 
 
-def resolve_control(loaded: LoadedModel, settings: Settings) -> str:
+def resolve_control(loaded: LoadedModel, settings: RunSpec) -> str:
     controls = loaded.adapter.output_controls
     control = settings.output_control or controls[0]
     if control not in controls:
@@ -435,7 +309,7 @@ class _Plan:
     one_pass: bool  # after the first token, all rows in one cached pass (`one_pass`)
 
 
-def batched_control(loaded: LoadedModel, settings: Settings, sites: dict[int, Any]) -> bool:
+def batched_control(loaded: LoadedModel, settings: RunSpec, sites: dict[int, Any]) -> bool:
     """Whether the control runs as a second batch row of the patched pass.
 
     Possible with absorb all, where both passes run the same reduced sequence without a cache
@@ -450,7 +324,7 @@ def batched_control(loaded: LoadedModel, settings: Settings, sites: dict[int, An
     return settings.control and _rows_batchable(loaded, settings, sites)
 
 
-def _rows_batchable(loaded: LoadedModel, settings: Settings, sites: dict[int, Any]) -> bool:
+def _rows_batchable(loaded: LoadedModel, settings: RunSpec, sites: dict[int, Any]) -> bool:
     """What `batched_control` and `one_pass` both need: absorb all (every reduced sequence the
     same), hooks that can tell batch rows apart (dense patched layers, not Gemma 3n's streams),
     and ``control_row`` not "separate"."""
@@ -458,7 +332,7 @@ def _rows_batchable(loaded: LoadedModel, settings: Settings, sites: dict[int, An
             and loaded.adapter.batch_rows and all(s.router is None for s in sites.values()))
 
 
-def one_pass(loaded: LoadedModel, prompt: Prompt, settings: Settings,
+def one_pass(loaded: LoadedModel, prompt: Prompt, settings: RunSpec,
              sites: dict[int, Any]) -> bool:
     """Whether, from the second token on, the full context, the control and the patched
     sequence run as batch rows of one cached forward (`core.forward.rows_logits`): with absorb
@@ -475,7 +349,7 @@ def one_pass(loaded: LoadedModel, prompt: Prompt, settings: Settings,
             and not prompt.pixels)
 
 
-def resolve_control_row(loaded: LoadedModel, settings: Settings) -> Settings:
+def resolve_control_row(loaded: LoadedModel, settings: RunSpec) -> RunSpec:
     """``settings`` with ``control_row`` saying what the run does, "batched" or "separate"
     (`batched_control`), as records keep their options resolved; unchanged without a control."""
     settings.validate()
@@ -486,7 +360,7 @@ def resolve_control_row(loaded: LoadedModel, settings: Settings) -> Settings:
     return settings if row == settings.control_row else replace(settings, control_row=row)
 
 
-def plan_patching(loaded: LoadedModel, settings: Settings
+def plan_patching(loaded: LoadedModel, settings: RunSpec
                   ) -> tuple[Any, dict[int, LayerSites], PatchSpec]:
     """The run's layers, the patched layers' sites and the `PatchSpec` with each layer's
     `OutputPlan`: decided here once, for the run (`_plan`) and for its controllability report
@@ -518,7 +392,7 @@ def plan_patching(loaded: LoadedModel, settings: Settings
     return layers, sites, spec
 
 
-def _plan(loaded: LoadedModel, prompt: Prompt, settings: Settings) -> _Plan:
+def _plan(loaded: LoadedModel, prompt: Prompt, settings: RunSpec) -> _Plan:
     """Every check before the first token (settings, prompt, control, layers, length), and what
     the loop needs."""
     settings.validate()
@@ -544,7 +418,7 @@ def _plan(loaded: LoadedModel, prompt: Prompt, settings: Settings) -> _Plan:
 def iter_token_patches(
     loaded: LoadedModel,
     prompt: Prompt,
-    settings: Settings,
+    settings: RunSpec,
     should_stop: Callable[[], bool] | None = None,
 ) -> Iterator[StepResult]:
     """Run the protocol, yielding one `StepResult` per generated token.
@@ -640,7 +514,7 @@ def iter_token_patches(
         return
 
 
-def _step_result(loaded: LoadedModel, settings: Settings, plan: _Plan, step: int,
+def _step_result(loaded: LoadedModel, settings: RunSpec, plan: _Plan, step: int,
                  logits: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
                  lps: dict[int, LayerPatch], ids: tuple[list[int], list[int], Any],
                  position: int, seconds: dict[str, float]) -> StepResult:
@@ -718,7 +592,8 @@ def _layer_info(host: _Host, keys: dict[str, Any], norms: dict[str, dict[str, fl
 
 
 __all__ = [
-    "Settings",
+    "MAX_TOP_K",
+    "RunSpec",
     "Side",
     "StepResult",
     "TopK",

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # `outcome` and `summary_lines` run in the window's thread without torch
     from .adapters.base import LayerSites
-    from .compare import Settings, StepResult
     from .loading import LoadedModel
+    from .results import StepResult
+    from .spec import RunSpec
 
 #: what absorbs the attention shift ``dv`` in one patched layer (`output_plan`)
 OutputKind = Literal[
@@ -115,7 +116,7 @@ class LayerPlan:
         return asdict(self)
 
 
-def plan(loaded: LoadedModel, settings: Settings) -> list[LayerPlan]:
+def plan(loaded: LoadedModel, settings: RunSpec) -> list[LayerPlan]:
     """What the run will patch, per layer, and under which conditions: the layers, sites and
     output plans are the run's own (`core.compare.plan_patching`)."""
     import torch

@@ -55,13 +55,25 @@ def image_grid(dtypes: Sequence[str]) -> list[Job]:
     return [Job(f"image-{d}-{m}", d, m, -1) for d in dtypes for m in METHODS]
 
 
-def _saved(path: Path) -> dict[str, Any] | None:
-    """A finished run's record, or None when missing or unreadable (then it is redone)."""
+#: the settings a run resolves as it runs, which a resumed job does not know in advance
+_RESOLVED = ("device", "control_row", "chat_template", "keep_patches")
+
+
+def _saved(path: Path, spec: Any) -> dict[str, Any] | None:
+    """A finished run's record for ``spec``, or None when missing, unreadable, damaged or made
+    with other options (another model, precision, token count, prompt...): it is then redone."""
+    from .records import run_from_record
+
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        run_from_record(record, str(path))
+    except (OSError, ValueError, UserError):
         return None
-    return record if isinstance(record, dict) and record.get("steps") else None
+    settings = record.get("settings")
+    if not isinstance(settings, dict) or not record.get("steps"):
+        return None
+    wanted = {k: v for k, v in spec.to_dict().items() if k not in _RESOLVED}
+    return record if {k: settings.get(k) for k in wanted} == wanted else None
 
 
 def run_grid(model: str, out: Path, jobs: Sequence[Job], tokens: int, device: str = "auto",
@@ -71,10 +83,8 @@ def run_grid(model: str, out: Path, jobs: Sequence[Job], tokens: int, device: st
     context of a chat-template prompt (the model's processor makes its tokens)."""
     from transformers.utils import logging as hf_logging
 
-    from .compare import Settings
     from .export import write_json
-    from .loading import load_model
-    from .prompt import build_prompt
+    from .runs import compare, load, prepare
 
     hf_logging.disable_progress_bar()  # one progress line per run instead
     runs_dir = out / "runs"
@@ -83,38 +93,20 @@ def run_grid(model: str, out: Path, jobs: Sequence[Job], tokens: int, device: st
     loaded: Any = None
     for i, job in enumerate(jobs):
         path = runs_dir / f"{job.name}.json"
-        saved = _saved(path)
+        if job.prompt < 0 and image is None:
+            raise UserError("the image runs need a picture")
+        if loaded is not None and str(loaded.dtype).removeprefix("torch.") != job.dtype:
+            loaded = None  # free the other precision first
+        spec = job_spec(job, model, tokens, device, image, loaded)
+        saved = _saved(path, spec)
         if saved is not None:
             records[job.name] = saved
             say(f"[{i + 1}/{len(jobs)}] {job.name}: reusing {path}")
             continue
-        if loaded is None or str(loaded.dtype).removeprefix("torch.") != job.dtype:
-            loaded = None  # free the other precision first
-            loaded = load_model(model, dtype=job.dtype, device=device)
-        settings = Settings(max_new_tokens=tokens, method=job.method, absorb="all",
-                            layers=job.layers)
-        if job.prompt < 0:
-            from .images import read_image
-
-            if image is None:
-                raise UserError("the image runs need a picture")
-            from .prompt import has_chat_template
-
-            query = IMAGE_QUERY  # in the chat template when the model has one (instruct models)
-            prompt = build_prompt(loaded.tokenizer, "", query,
-                                  chat_template=has_chat_template(loaded.tokenizer,
-                                                                  loaded.processor),
-                                  image=read_image(image), processor=loaded.processor)
-        else:
-            query = PAPER_PROMPTS[job.prompt]
-            prompt = build_prompt(loaded.tokenizer, "", query)
-        from .runs import run_comparison
-
-        run = run_comparison(loaded, prompt, settings,
-                             {"model": model, "dtype": job.dtype, "context": "", "query": query,
-                              "prompt_index": job.prompt + 1,
-                              "image": image if job.prompt < 0 else None},
-                             should_stop=should_stop)
+        if loaded is None:
+            loaded = load(spec)
+            spec = job_spec(job, model, tokens, device, image, loaded)
+        run = compare(loaded, spec, prepare(spec), should_stop=should_stop)
         if len(run.steps) < tokens:
             raise KeyboardInterrupt  # stopped: keep what is saved, redo this run next time
         record = run.record
@@ -125,6 +117,24 @@ def run_grid(model: str, out: Path, jobs: Sequence[Job], tokens: int, device: st
         say(f"[{i + 1}/{len(jobs)}] {job.name}: match {p['matches']}/{tokens}, "
             f"max L-inf {p['max_linf']:.3g}")
     return records
+
+
+def job_spec(job: Job, model: str, tokens: int, device: str, image: str | None,
+             loaded: Any = None) -> Any:
+    """A job's `RunSpec`: absorb all, greedy, no context; the image run's picture in the
+    context of a chat-template prompt when the model has one (instruct models; known once
+    ``loaded``)."""
+    from .spec import RunSpec
+
+    chat = False
+    if job.prompt < 0 and loaded is not None:
+        from .prompt import has_chat_template
+
+        chat = has_chat_template(loaded.tokenizer, loaded.processor)
+    return RunSpec(model=model, dtype=job.dtype, device=device, max_new_tokens=tokens,
+                   method=job.method, absorb="all", layers=job.layers,
+                   query=IMAGE_QUERY if job.prompt < 0 else PAPER_PROMPTS[job.prompt],
+                   image=image if job.prompt < 0 else None, chat_template=chat)
 
 
 def max_scale_patch(record: dict[str, Any]) -> float | None:

@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from .compare import Settings, StepResult, summarize
 from .errors import UserError
 from .images import ImageInfo
 from .prompt import Prompt
-from .results import conditioning
+from .results import StepResult, conditioning, summarize
+from .spec import RunSpec
 
 SCHEMA_VERSION = 1
 PATCHES_FORMAT = "ctxpatch-patches/2"  # /2: float64 tensors for float64 runs, conditioning
@@ -109,7 +109,7 @@ def step_to_dict(s: StepResult) -> dict[str, Any]:
 def run_record(
     model: dict[str, Any],
     prompt: Prompt,
-    settings: Settings,
+    settings: RunSpec,
     steps: Sequence[StepResult],
     extra_settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -182,7 +182,7 @@ def patch_step_meta(s: StepResult) -> dict[str, Any]:
 
 
 def save_patches(
-    path: str | Path, steps: Sequence[StepResult], model_id: str, dtype: str, settings: Settings,
+    path: str | Path, steps: Sequence[StepResult], model_id: str, dtype: str, settings: RunSpec,
     image: ImageInfo | None = None,
 ) -> int:
     """Write every step's patches as one safetensors file; returns the tensor count.
@@ -190,7 +190,7 @@ def save_patches(
     ``image``: the context's picture, recorded (path, sha256) so `verify` can find it again.
 
     Raises:
-        UserError: when the run kept no patches (``Settings.keep_patches`` was off).
+        UserError: when the run kept no patches (``RunSpec.keep_patches`` was off).
     """
     from safetensors.numpy import save_file
 

@@ -87,3 +87,12 @@ def check_report(path: str | None) -> Path | None:
         raise UserError(f"cannot write the report's plots into {plots}: a file has that name "
                         "(move it, or name the report differently)")
     return plots
+
+
+def run_inputs(model: str | None, image: str | None, *more: str | None) -> list[str | None]:
+    """The paths a run reads, for `check_outputs`: its model (a folder, a file, or a demo's
+    cache folder), its picture, and ``more`` (a patches file)."""
+    from .footprint import DEMOS, demo_folder
+
+    folder = str(demo_folder(model)) if model in DEMOS else model
+    return [folder, image, *more]

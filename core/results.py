@@ -71,7 +71,7 @@ class Side:
         }
 
 
-#: the control's place in a run made without it (``Settings.control`` off)
+#: the control's place in a run made without it (``RunSpec.control`` off)
 NO_CONTROL = Side(token=-1, text="", match=False, linf=math.nan, tvd=math.nan,
                   top_k=TopK((), (), ()))
 

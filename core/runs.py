@@ -7,25 +7,27 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
-from .compare import Settings, StepResult, iter_token_patches, resolve_control_row
+from .compare import iter_token_patches, resolve_control_row
 from .controllability import LayerPlan, plan, record_section
 from .errors import UserError
 from .export import run_record
 from .loading import LoadedModel
 from .prompt import Prompt
-from .results import nan_max
+from .results import StepResult, nan_max
+from .spec import RunSpec, check_request
 
 
-def record_of(model: dict[str, Any], prompt: Prompt, settings: Settings,
-              steps: Sequence[StepResult], extra: dict[str, Any] | None = None,
-              plans: Sequence[LayerPlan] | None = None, wall: float | None = None
-              ) -> dict[str, Any]:
-    """The run record: `core.export.run_record`, the controllability section when the plan is
-    known, and the wall time when measured."""
-    record = run_record(model, prompt, settings, steps, extra)
+def record_of(model: dict[str, Any], prompt: Prompt, spec: RunSpec,
+              steps: Sequence[StepResult], plans: Sequence[LayerPlan] | None = None,
+              wall: float | None = None) -> dict[str, Any]:
+    """The run record (DESIGN.md "Run JSON"), the same from every front end: the options
+    resolved (``settings``: the spec, with the device the model ran on), the controllability
+    section when the plan is known, and the wall time when measured."""
+    resolved = replace(spec, device=str(model.get("device", spec.device)))
+    record = run_record(model, prompt, resolved, steps)
     if plans is not None:
         record["controllability"] = record_section(plans, steps)
     if wall is not None:
@@ -40,29 +42,75 @@ class Comparison:
     steps: list[StepResult]
     plans: list[LayerPlan]
     record: dict[str, Any]
-    settings: Settings
+    spec: RunSpec
     prompt: Prompt
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
-def run_comparison(loaded: LoadedModel, prompt: Prompt, settings: Settings,
-                   extra: dict[str, Any] | None = None,
+def prepare(spec: RunSpec) -> Any:
+    """Every check of a comparison request that needs no model (`RunSpec.validate`,
+    `core.spec.check_request`), and its picture read (a bad file fails before the model
+    loads); returns the picture (`core.images.read_image`) or None."""
+    spec.validate()
+    check_request(spec)
+    if spec.image is None:
+        return None
+    from .images import read_image
+
+    return read_image(spec.image)
+
+
+def load(spec: RunSpec, progress: Callable[[str, int, int], None] | None = None,
+         should_stop: Callable[[], bool] | None = None) -> LoadedModel:
+    """The spec's model, loaded as it says (dtype, device or placement, trust)."""
+    from .loading import load_model
+
+    return load_model(spec.model, dtype=spec.dtype, device=spec.device, progress=progress,
+                      should_stop=should_stop, trust_remote_code=spec.trust_remote_code,
+                      allow_pickle=spec.allow_pickle, placement=spec.placement())
+
+
+def compare(loaded: LoadedModel, spec: RunSpec, picture: Any = None,
+            on_step: Callable[[StepResult], None] | None = None,
+            should_stop: Callable[[], bool] | None = None,
+            plans: list[LayerPlan] | None = None) -> Comparison:
+    """The spec's prompt built with the model's tokenizer, then `run_comparison`."""
+    from .prompt import build_prompt
+
+    prompt = build_prompt(loaded.tokenizer, spec.context, spec.query, spec.chat_template,
+                          image=picture, processor=loaded.processor)
+    return run_comparison(loaded, prompt, spec, on_step, should_stop, plans)
+
+
+def run_comparison(loaded: LoadedModel, prompt: Prompt, spec: RunSpec,
                    on_step: Callable[[StepResult], None] | None = None,
                    should_stop: Callable[[], bool] | None = None,
                    plans: list[LayerPlan] | None = None) -> Comparison:
     """Plan (unless ``plans`` is given), run every step (``on_step`` after each; ``should_stop``
     between layers and tokens) and build the record."""
-    settings = resolve_control_row(loaded, settings)
-    plans = plan(loaded, settings) if plans is None else plans
+    spec = resolve_control_row(loaded, spec)
+    plans = plan(loaded, spec) if plans is None else plans
     steps: list[StepResult] = []
     start = time.perf_counter()
-    for s in iter_token_patches(loaded, prompt, settings, should_stop):
+    for s in iter_token_patches(loaded, prompt, spec, should_stop):
         steps.append(s)
         if on_step is not None:
             on_step(s)
     wall = time.perf_counter() - start
-    record = record_of(loaded.describe(), prompt, settings, steps, extra, plans, wall)
-    return Comparison(steps, plans, record, settings, prompt, dict(extra or {}))
+    record = record_of(loaded.describe(), prompt, spec, steps, plans, wall)
+    return Comparison(steps, plans, record, spec, prompt)
+
+
+def verify_run(loaded: LoadedModel, comparison: Comparison,
+               progress: Callable[[int, int], None] | None = None) -> Verdict:
+    """Write each step's kept patches into a copy of the weights, run plain transformers and
+    compare (``--verify``); the verdict also goes into the record's ``verification``."""
+    from .verify import patches_of_steps, verify_patches
+
+    checks = verify_patches(loaded, patches_of_steps(comparison.steps, comparison.spec.scope),
+                            progress=progress, pixels=comparison.prompt.pixels)
+    result = verdict(checks, default_tolerance(comparison.spec.dtype))
+    comparison.record["verification"] = result.to_dict()
+    return result
 
 
 def default_tolerance(dtype: str, given: float | None = None) -> float:

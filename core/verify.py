@@ -164,7 +164,7 @@ def _add_tensor(pf: PatchFile, key: str, tensor: torch.Tensor, source: str) -> N
 
 
 def patches_of_steps(steps: Sequence[Any], scope: str) -> PatchFile:
-    """The patches a run kept (``Settings.keep_patches``), as if saved and read back, so a run
+    """The patches a run kept (``RunSpec.keep_patches``), as if saved and read back, so a run
     can be verified in memory (``ctxpatch compare --verify``)."""
     pf = PatchFile(metadata={"scope": scope}, steps=[])
     for s in steps:

@@ -11,10 +11,11 @@ command line (``ctxpatch compare`` / ``ctxpatch verify``) and the window.
     run.save_patches("mars.safetensors")
     ctxpatch.verify("mars.safetensors", model=model).ok  # True
 
-Options are the command line's long names with underscores (``max_new_tokens``, ``method``,
-``absorb``, ``scope``, ``layers``, ``output_control``, ``disable``, ``top_k``, ...), with the
-same defaults and the same checks: a bad option raises `OptionError` (a `ValueError`) with the
-command line's one-line message, before any work. ``progress`` is called with each finished
+Options are the fields of `ctxpatch.core.spec.RunSpec`, the command line's long names with
+underscores (``max_new_tokens``, ``method``, ``absorb``, ``scope``, ``layers``,
+``output_control``, ``disabled``, ``top_k``, ``on_fault``, ...), with the same defaults and the
+same checks: a bad option raises `OptionError` (a `ValueError`) with a one-line message, before
+any work. This package never imports the window (``ctxpatch.app``) except to draw a report. ``progress`` is called with each finished
 step; ``cancel`` (a ``threading.Event`` or a function returning True) stops the run between
 layers and tokens, as the window's Esc does.
 """
@@ -45,7 +46,7 @@ class OptionError(UserError, ValueError):
     """A bad option or input, with the command line's one-line message."""
 
 
-#: compare's options that write files: a `Run` has methods for them instead
+#: compare's command-line options that write files: a `Run` has methods for them instead
 _FILE_OPTIONS = {"json": "Run.to_json", "csv": "Run.to_csv", "save_patches": "Run.save_patches",
                  "report": "Run.report", "quiet": None}
 
@@ -60,18 +61,14 @@ def _stop_fn(cancel: Any) -> Callable[[], bool] | None:
     raise OptionError("cancel must be a threading.Event or a function returning True to stop")
 
 
-def _options(command: str, given: dict[str, Any]) -> Any:
-    """The command's options as the command line parses them (its defaults), with ``given``
-    set by name; an unknown name is an `OptionError`."""
-    from ctxpatch.app.cli import build_parser
+def _spec(options: dict[str, Any]) -> Any:
+    """A `RunSpec` from keyword arguments (`core.spec.from_options`), as an `OptionError`."""
+    from .core.spec import from_options
 
-    args = build_parser().parse_args([command] + (["x"] if command == "verify" else []))
-    for key, value in given.items():
-        if key not in vars(args) or key == "command":
-            known = ", ".join(sorted(k for k in vars(args) if k != "command"))
-            raise OptionError(f"unknown option {key!r}: use one of {known}")
-        setattr(args, key, value)
-    return args
+    try:
+        return from_options(options)
+    except UserError as exc:
+        raise OptionError(str(exc)) from None
 
 
 def load(model: str = "demo", *, dtype: str = "float32", device: str = "auto",
@@ -81,19 +78,14 @@ def load(model: str = "demo", *, dtype: str = "float32", device: str = "auto",
          cancel: Any = None) -> Any:
     """Load a model once for many runs (`ctxpatch.core.loading.LoadedModel`): "demo",
     "smollm2", a hub id (the local cache first) or a model folder."""
-    from ctxpatch.app.cli import placement
-    from ctxpatch.core.loading import load_model
+    from .core.runs import load as load_spec
 
-    if isinstance(max_memory, dict):
-        max_memory = [f"{k}={v}" for k, v in max_memory.items()]
-    args = _options("compare", {"model": model, "dtype": dtype, "device": device,
-                                "device_map": device_map, "max_memory": max_memory,
-                                "offload_folder": offload_folder})
+    spec = _spec({"model": model, "dtype": dtype, "device": device, "device_map": device_map,
+                  "max_memory": max_memory, "offload_folder": offload_folder,
+                  "trust_remote_code": trust_remote_code, "allow_pickle": allow_pickle})
+    stop = _stop_fn(cancel)
     try:
-        chosen = placement(args)
-        return load_model(model, dtype=dtype, device=device, progress=progress,
-                          should_stop=_stop_fn(cancel), trust_remote_code=trust_remote_code,
-                          allow_pickle=allow_pickle, placement=chosen)
+        return load_spec(spec, progress=progress, should_stop=stop)
     except UserError as exc:
         raise OptionError(str(exc)) from None
 
@@ -101,14 +93,14 @@ def load(model: str = "demo", *, dtype: str = "float32", device: str = "auto",
 @dataclass
 class Run:
     """One comparison: typed steps (`ctxpatch.core.results.StepResult`), the summary, and the
-    run record that ``compare --json`` writes for the same options (`to_dict`)."""
+    run record that ``compare --json`` writes for the same options (`to_dict`). Its files are
+    checked against the run's inputs (the model's folder, the picture) before they are
+    written."""
 
     steps: list[Any]
     record: dict[str, Any]
-    model_id: str
-    dtype: str
-    settings: Any
-    image: Any = None
+    spec: Any  # ctxpatch.core.spec.RunSpec, as the run resolved it
+    image: Any = None  # ctxpatch.core.images.ImageInfo of the context's picture
 
     @property
     def summary(self) -> dict[str, Any]:
@@ -120,38 +112,45 @@ class Run:
 
         return copy.deepcopy(self.record)
 
-    def to_json(self, path: str | Path) -> None:
-        from ctxpatch.core.export import write_json
-        from ctxpatch.core.outputs import check_outputs
+    def _check(self, path: str | Path) -> None:
+        from .core.outputs import check_outputs, run_inputs
 
-        check_outputs({"path": str(path)})
+        try:
+            check_outputs({"path": str(path)}, run_inputs(self.spec.model, self.spec.image))
+        except UserError as exc:
+            raise OptionError(str(exc)) from None
+
+    def to_json(self, path: str | Path) -> None:
+        from .core.export import write_json
+
+        self._check(path)
         write_json(path, self.record)
 
     def to_csv(self, path: str | Path) -> None:
-        from ctxpatch.core.export import steps_csv, write_text
-        from ctxpatch.core.outputs import check_outputs
+        from .core.export import steps_csv, write_text
 
-        check_outputs({"path": str(path)})
+        self._check(path)
         write_text(path, steps_csv(self.steps))
 
     def save_patches(self, path: str | Path) -> int:
         """The patches file (needs ``compare(..., keep_patches=True)``, the default here);
         returns the number of tensors."""
-        from ctxpatch.core.export import save_patches
-        from ctxpatch.core.outputs import check_outputs
+        from .core.export import save_patches
 
-        check_outputs({"path": str(path)})
-        return save_patches(path, self.steps, self.model_id, self.dtype, self.settings,
+        self._check(path)
+        return save_patches(path, self.steps, self.spec.model, self.spec.dtype, self.spec,
                             image=self.image)
 
     def report(self, path: str | Path) -> list[Path]:
-        """The HTML report, or PDF when ``path`` ends in .pdf, with its plots beside it."""
-        from ctxpatch.app.report import write_report
-        from ctxpatch.core.outputs import check_outputs, check_report
-        from ctxpatch.core.records import run_from_record
+        """The HTML report, or PDF when ``path`` ends in .pdf, with its plots beside it (drawn
+        by the window's report writer: Qt is imported here, and only here)."""
+        from .core.outputs import check_report
+        from .core.records import run_from_record
 
-        check_outputs({"path": str(path)})
+        self._check(path)
         plots = check_report(str(path))
+        from .app.report import write_report
+
         return write_report(run_from_record(self.record), path, plots)
 
     def to_frame(self) -> Any:
@@ -164,7 +163,7 @@ class Run:
         import csv
         import io
 
-        from ctxpatch.core.export import steps_csv
+        from .core.export import steps_csv
 
         rows = list(csv.DictReader(io.StringIO(steps_csv(self.steps))))
         return pd.DataFrame(rows).apply(pd.to_numeric, errors="ignore")
@@ -172,7 +171,7 @@ class Run:
 
 def compare(model: Any = "demo", *, context: str = "", query: str = "", image: str | None = None,
             progress: Callable[[Any], None] | None = None, cancel: Any = None,
-            **options: Any) -> Run:
+            verify: bool = False, **options: Any) -> Run:
     """Run one comparison, as ``ctxpatch compare`` does, and return the `Run`.
 
     Args:
@@ -181,57 +180,47 @@ def compare(model: Any = "demo", *, context: str = "", query: str = "", image: s
         context, query, image: the prompt, as on the command line.
         progress: called with each `StepResult` as it is finished.
         cancel: a ``threading.Event`` (or a function) that stops the run when set.
-        **options: compare's long option names with underscores. The patches are kept
-            (``save_patches`` works) unless ``keep_patches=False``.
+        verify: after the run, write each step's patches into the weights and compare
+            (``run.record["verification"]``), as ``--verify`` does.
+        **options: the run's options by their `ctxpatch.core.spec.RunSpec` names
+            (``max_new_tokens``, ``method``, ``absorb``, ``scope``, ``layers``,
+            ``output_control``, ``disabled``, ``top_k``, ``on_fault``, ...). The patches are
+            kept (``save_patches`` works) unless ``keep_patches=False``.
     """
-    from ctxpatch.app.cli import check_request, run_extra
-    from ctxpatch.core.loading import LoadedModel
-    from ctxpatch.core.prompt import build_prompt
-    from ctxpatch.core.runs import run_comparison
+    from .core.loading import LoadedModel
+    from .core.runs import compare as run_compare
+    from .core.runs import load as load_spec
+    from .core.runs import prepare, verify_run
 
-    keep = bool(options.pop("keep_patches", True))
     for key in options:
         if key in _FILE_OPTIONS:
             instead = _FILE_OPTIONS[key]
             raise OptionError(f"option {key!r} writes a file on the command line"
                               + (f": use {instead}(path) on the result" if instead else ""))
-    loaded_given = isinstance(model, LoadedModel)
-    spec = model.spec if loaded_given else model
-    if loaded_given and "dtype" not in options:
-        options["dtype"] = str(model.dtype).removeprefix("torch.")
-    args = _options("compare", {**options, "model": spec, "context": context, "query": query,
-                                "image": image})
+    loaded = model if isinstance(model, LoadedModel) else None
+    if loaded is not None:
+        options.setdefault("dtype", str(loaded.dtype).removeprefix("torch."))
+    options.setdefault("keep_patches", True)
+    if verify is True:
+        options["keep_patches"] = True
+    elif verify is not False:
+        raise OptionError(f"option verify must be True or False, not {verify!r}")
+    spec = _spec({**options, "model": loaded.spec if loaded is not None else model,
+                  "context": context, "query": query, "image": image})
     stop = _stop_fn(cancel)
     try:
-        settings, picture = check_request(args)
-        if keep:
-            import dataclasses
-
-            settings = dataclasses.replace(settings, keep_patches=True)
-        if loaded_given:
-            if str(model.dtype).removeprefix("torch.") != args.dtype:
-                raise UserError(f"this model is loaded in {model.dtype}, not {args.dtype}: load "
-                                "it again with that dtype")
-            loaded = model
-        else:
-            loaded = load(spec, dtype=args.dtype, device=args.device, device_map=args.device_map,
-                          max_memory=args.max_memory, offload_folder=args.offload_folder,
-                          trust_remote_code=args.trust_remote_code,
-                          allow_pickle=args.allow_pickle, cancel=cancel)
-        prompt = build_prompt(loaded.tokenizer, args.context, args.query, args.chat_template,
-                              image=picture, processor=loaded.processor)
-        run = run_comparison(loaded, prompt, settings, run_extra(args, str(loaded.device)),
-                             on_step=progress, should_stop=stop)
-    except OptionError:
-        raise
+        picture = prepare(spec)
+        if loaded is None:
+            loaded = load_spec(spec, should_stop=stop)
+        elif str(loaded.dtype).removeprefix("torch.") != spec.dtype:
+            raise UserError(f"this model is loaded in {loaded.dtype}, not {spec.dtype}: load "
+                            "it again with that dtype")
+        done = run_compare(loaded, spec, picture, on_step=progress, should_stop=stop)
     except UserError as exc:
         raise OptionError(str(exc)) from None
-    if args.verify:
-        from ctxpatch.app.cli import _Progress, _verify_run
-
-        run.record["verification"] = _verify_run(loaded, run.steps, settings, args.dtype,
-                                                 _Progress(True), prompt.pixels)
-    return Run(run.steps, run.record, spec, args.dtype, settings, prompt.image)
+    if verify:
+        verify_run(loaded, done)
+    return Run(done.steps, done.record, done.spec, done.prompt.image)
 
 
 @dataclass(frozen=True)
@@ -257,9 +246,9 @@ def verify(patches: str | Path, *, model: Any = None, tolerance: float | None = 
     """Write saved patches into a copy of the weights, run plain transformers, and compare, as
     ``ctxpatch verify`` does. ``model``: a model from `load` (its dtype is used), anything
     ``--model`` accepts, or None for the one the file names."""
-    from ctxpatch.core.loading import LoadedModel
-    from ctxpatch.core.runs import default_tolerance, verdict
-    from ctxpatch.core.verify import image_pixels, read_patches, recorded_image, verify_patches
+    from .core.loading import LoadedModel
+    from .core.runs import default_tolerance, verdict
+    from .core.verify import image_pixels, read_patches, recorded_image, verify_patches
 
     try:
         default_tolerance("float64", tolerance)

@@ -388,10 +388,10 @@ def save_any_image_folder(folder: Path, kind: str, seed: int = 0) -> Path:
 def image_steps(loaded: Any, picture: Any, query: str, tokens: int, context: str = "",
                 chat: bool = False, **options: Any) -> tuple[Any, Any, list[Any]]:
     """(prompt, settings, steps) of a run with the picture in the context."""
-    from ctxpatch.core.compare import Settings, iter_token_patches
+    from ctxpatch.core.compare import RunSpec, iter_token_patches
     from ctxpatch.core.prompt import build_prompt
 
     prompt = build_prompt(loaded.tokenizer, context, query, chat_template=chat, image=picture,
                           processor=loaded.processor)
-    settings = Settings(max_new_tokens=tokens, **options)
+    settings = RunSpec(max_new_tokens=tokens, **options)
     return prompt, settings, list(iter_token_patches(loaded, prompt, settings))

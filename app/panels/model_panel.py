@@ -18,10 +18,10 @@ from PySide6.QtWidgets import (
 )
 
 from ...core.options import ABSORB_MODES as ABSORB
-from ...core.options import DEVICES, DTYPES, METHODS, SCOPES
+from ...core.options import DEVICE_MAPS, DEVICES, DTYPES, METHODS, ON_FAULT, SCOPES
 from .. import dialogs
 
-PLACEMENTS = ("one device", "auto", "balanced", "sequential")
+PLACEMENTS = ("one device", *DEVICE_MAPS)
 ABLATIONS = ("input and output", "no input patches", "no output patches (frozen)")
 DISABLED = {ABLATIONS[0]: [], ABLATIONS[1]: ["input"], ABLATIONS[2]: ["output"]}
 TIPS = {
@@ -88,6 +88,10 @@ class QtModelPanel(QGroupBox):
         self.patches.setToolTip("Leave out a kind of patch (ablation). Without output patches "
                                 "the output control is frozen; the controllability tab shows "
                                 "where the attention shift exceeds what is then reachable.")
+        self.on_fault = QCheckBox("Continue past NaN")
+        self.on_fault.setToolTip("A NaN or infinity in the logits or the patches stops the run at "
+                                 "that token and layer; ticked, the run continues and records "
+                                 "it (on_fault 'continue')")
         self.control = _combo(("default",))
         self.control.setToolTip("The output control that absorbs the attention's shift "
                                 "(default: the paper's choice for the family)")
@@ -118,6 +122,7 @@ class QtModelPanel(QGroupBox):
         form.addRow("Layers", self.layers)
         form.addRow("Output control", self.control)
         form.addRow("Patches", self.patches)
+        form.addRow("", self.on_fault)
         two_lines = 2 * self.fontMetrics().lineSpacing() + 8
         for label in (self.footprint, self.loaded_label):  # wrapped text is not clipped
             label.setMinimumHeight(two_lines)
@@ -193,7 +198,19 @@ class QtModelPanel(QGroupBox):
             "layers": self.layers.text().strip() or "all",
             "output_control": None if control == "default" else control,
             "disabled": DISABLED[self.patches.currentText()],
+            "on_fault": "continue" if self.on_fault.isChecked() else "stop",
         }
+
+    def spec_options(self) -> dict[str, Any]:
+        """The run's options of this panel by `core.spec.RunSpec` name: the model as `key`
+        loads it, its trust flags, and how the run patches it."""
+        model, dtype, device, (placement, memory, folder) = self.key()
+        spread = placement != PLACEMENTS[0]
+        return {"model": model, "dtype": dtype, "device": device,
+                "device_map": placement if spread else None,
+                "max_memory": tuple(memory.split()) if spread and memory else None,
+                "offload_folder": folder if spread and folder else None,
+                **self.trust_flags(), **self.options()}
 
     def save(self) -> dict[str, Any]:
         return {"model": self.spec(), "recent": self.recent(), "dtype": self.dtype.currentText(),
@@ -219,6 +236,8 @@ class QtModelPanel(QGroupBox):
                 self.patches.setCurrentText(text)
         if data.get("layers"):
             self.layers.setText(str(data["layers"]))
+        if data.get("on_fault") in ON_FAULT:
+            self.on_fault.setChecked(data["on_fault"] == "continue")
         if data.get("device_map") in PLACEMENTS:
             self.placement.setCurrentText(str(data["device_map"]))
         memory = data.get("max_memory")

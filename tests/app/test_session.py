@@ -381,3 +381,24 @@ def test_the_session_schema_spells_no_option_value() -> None:
               *options.PATCH_KINDS, *options.OUTPUT_CONTROLS, *options.DEVICE_MAPS,
               *options.ON_FAULT}
     assert "one device" in spelled and not spelled & values
+
+
+def test_overlays_keep_a_nan_as_the_summaries_do(fresh: Any, monkeypatch: Any) -> None:
+    """A run past a numerical fault stores its NaN L-inf as null: its overlay shows NaN (a gap,
+    as `core.results.nan_max` would report it), never 0.0 (a perfect token)."""
+    import math
+
+    w = fresh()
+    assert w.open_session(str(FIXTURE)), w.last_error
+    other = json.loads(json.dumps(w.files.history[0]))
+    other["steps"][1]["linf"] = None
+    other["steps"][1]["tvd"] = None
+    w.files.history = [other, w.files.history[0]]
+    w.files.history_index = 1
+    drawn: list[Any] = []
+    monkeypatch.setattr(w.plots, "set_overlays", lambda runs, shown: drawn.extend(runs))
+    w.plots.overlay.setChecked(True)
+    w.files.update_overlays()
+    (_, series), = drawn[-1:]
+    assert math.isnan(series["linf"][1]) and math.isnan(series["tvd"][1])
+    assert series["linf"][0] == other["steps"][0]["linf"]

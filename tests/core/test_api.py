@@ -40,11 +40,32 @@ def test_the_api_record_equals_the_command_line_s(folder: Path, tmp_path: Path) 
     out = tmp_path / "cli.json"
     assert main(["compare", "--model", str(folder), "--context", CASE["context"], "--query",
                  CASE["query"], "--max-new-tokens", "3", "--method", "stable", "--layers", "1:",
-                 "--quiet", "--json", str(out)]) == 0
+                 "--quiet", "--json", str(out), "--save-patches", str(tmp_path / "p.st")]) == 0
     cli = json.loads(out.read_text())
-    api = run.to_dict()
+    api = run.to_dict()  # (the API keeps the patches by default, as --save-patches does)
     assert comparable_record(api) == comparable_record(cli)
+    assert "wall" in cli["summary"]["seconds"] and api["settings"]["keep_patches"]
     assert run.steps[0].patched.match and len(run.steps) == 3
+
+
+def test_reproduce_s_records_are_the_api_s(folder: Path, tmp_path: Path) -> None:
+    """A reproduction's run (`core.experiments.run_grid`) records what a comparison of the same
+    options records, chat template and wall time included; a resumed reproduction reuses a
+    saved run only for the same options."""
+    from ctxpatch.core import experiments as ex
+
+    jobs = [j for j in ex.grid(1, ["float32"], []) if j.method == "direct"]
+    said: list[str] = []
+    saved = ex.run_grid(str(folder), tmp_path, jobs, 2, say=said.append)["float32-direct-p1"]
+    api = ctxpatch.compare(str(folder), absorb="all", query=ex.PAPER_PROMPTS[0],
+                           max_new_tokens=2, keep_patches=False).to_dict()
+    saved.pop("max_abs_scale_patch")
+    assert comparable_record(saved) == comparable_record(api)
+    assert "chat_template" in saved["settings"] and "wall" in saved["summary"]["seconds"]
+    ex.run_grid(str(folder), tmp_path, jobs, 2, say=said.append)
+    assert "reusing" in said[-1]
+    ex.run_grid(str(folder), tmp_path, jobs, 3, say=said.append)  # another token count
+    assert "match 3/3" in said[-1]
 
 
 def test_a_loaded_model_is_reused_and_verify_answers(folder: Path, tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ctxpatch.core.compare import Settings, iter_token_patches
+from ctxpatch.core.compare import RunSpec, iter_token_patches
 from ctxpatch.core.export import PATCHES_FORMAT, save_patches
 from ctxpatch.core.patches import conditioned_scale, fit_down_target, stable_down_target
 from ctxpatch.core.prompt import build_prompt
@@ -37,7 +37,7 @@ def ill() -> object:
 def _run(loaded, method: str, **kw):  # type: ignore[no-untyped-def]
     prompt = build_prompt(loaded.tokenizer, "The quick brown fox jumps over the lazy dog.",
                           "Hello world!")
-    settings = Settings(max_new_tokens=4, method=method, **kw)
+    settings = RunSpec(max_new_tokens=4, method=method, **kw)
     return settings, list(iter_token_patches(loaded, prompt, settings))
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from ctxpatch.core import engine, patches
 from ctxpatch.core.adapters import REGISTRY
-from ctxpatch.core.compare import Settings, batched_control, iter_token_patches
+from ctxpatch.core.compare import RunSpec, batched_control, iter_token_patches
 from ctxpatch.core.forward import attention_only
 from ctxpatch.core.prompt import build_prompt
 from tiny import TINY, gemma3_config, tiny_config, tiny_loaded
@@ -46,7 +46,7 @@ def _loaded(name: str):  # type: ignore[no-untyped-def]
 
 def _steps(loaded, **kw):  # type: ignore[no-untyped-def]
     prompt = build_prompt(loaded.tokenizer, "", QUERY)
-    settings = Settings(max_new_tokens=TOKENS, absorb="all", keep_patches=True, **kw)
+    settings = RunSpec(max_new_tokens=TOKENS, absorb="all", keep_patches=True, **kw)
     return list(iter_token_patches(loaded, prompt, settings))
 
 
@@ -83,7 +83,7 @@ def _plan(model_type: str, device: str, dtype: torch.dtype, **settings):  # type
                              dtype=dtype)
     dense = SimpleNamespace(router=None)
     sites = {0: SimpleNamespace(router=object()) if model_type == "mixtral" else dense}
-    return batched_control(loaded, Settings(**{"absorb": "all", **settings}), sites)  # type: ignore[arg-type]
+    return batched_control(loaded, RunSpec(**{"absorb": "all", **settings}), sites)  # type: ignore[arg-type]
 
 
 def test_the_rule_batches_where_it_can() -> None:
@@ -112,7 +112,7 @@ def test_the_record_says_which_control_row_ran(given: str, absorb: str, expected
 
     loaded = _loaded("llama")
     prompt = build_prompt(loaded.tokenizer, "Some context." if absorb == "context" else "", QUERY)
-    run = run_comparison(loaded, prompt, Settings(max_new_tokens=1, absorb=absorb,
+    run = run_comparison(loaded, prompt, RunSpec(max_new_tokens=1, absorb=absorb,
                                                   control_row=given))
     assert run.record["settings"]["control_row"] == expected
 
@@ -157,7 +157,7 @@ def _forwards(loaded, **kw):  # type: ignore[no-untyped-def]
     try:
         prompt = build_prompt(loaded.tokenizer, "", QUERY)
         steps, counts = [], []
-        for step in iter_token_patches(loaded, prompt, Settings(max_new_tokens=TOKENS,
+        for step in iter_token_patches(loaded, prompt, RunSpec(max_new_tokens=TOKENS,
                                                                 absorb="all", **kw)):
             steps.append(step)
             counts.append(len(calls))
@@ -182,7 +182,7 @@ def test_one_pass_per_token_after_the_first(name: str) -> None:
                     and attention_only(DynamicCache(config=loaded.model.config)))
         assert separate_counts == [2 + control] * TOKENS
         # the first token: the full prompt's pass, then the patched (and control) rows
-        batched = batched_control(loaded, Settings(absorb="all", control=control), sites)
+        batched = batched_control(loaded, RunSpec(absorb="all", control=control), sites)
         assert counts == ([2] + [1] * (TOKENS - 1) if eligible
                           else [2 + (control and not batched)] * TOKENS)
         for a, b in zip(one, separate, strict=True):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from ctxpatch.core.compare import Settings, iter_token_patches, summarize
+from ctxpatch.core.compare import RunSpec, iter_token_patches, summarize
 from ctxpatch.core.loading import load_model
 from ctxpatch.core.prompt import build_prompt
 
@@ -21,7 +21,7 @@ def demo():  # type: ignore[no-untyped-def]
 def test_mars_float32_direct_is_exact(demo) -> None:  # type: ignore[no-untyped-def]
     prompt = build_prompt(demo.tokenizer, "", MARS)
     assert prompt.full_ids[0] == demo.tokenizer.bos_token_id
-    steps = list(iter_token_patches(demo, prompt, Settings(max_new_tokens=20, absorb="all")))
+    steps = list(iter_token_patches(demo, prompt, RunSpec(max_new_tokens=20, absorb="all")))
     summary = summarize(steps)
     assert summary["patched"]["matches"] == 20
     assert summary["patched"]["max_linf"] < 1e-3
@@ -45,7 +45,7 @@ def test_smollm2_chat_template_absorb_context_float32() -> None:
     prompt = build_prompt(smol.tokenizer, *ALICE, chat_template=True)
     kinds = [seg.kind for seg in prompt.segments]
     assert "context" in kinds and kinds.count("template") >= 2  # the chat template wraps both
-    steps = list(iter_token_patches(smol, prompt, Settings(max_new_tokens=20, absorb="context")))
+    steps = list(iter_token_patches(smol, prompt, RunSpec(max_new_tokens=20, absorb="context")))
     summary = summarize(steps)
     assert summary["patched"]["matches"] == 20
     assert summary["patched"]["max_linf"] < 1e-3

@@ -13,7 +13,7 @@ import pytest
 import torch
 from ctxpatch.core.adapters import REGISTRY, adapter_for_config
 from ctxpatch.core.adapters.declarative import Layout, declarative, tp_plan_mlp
-from ctxpatch.core.compare import Settings, iter_token_patches
+from ctxpatch.core.compare import RunSpec, iter_token_patches
 from ctxpatch.core.errors import UserError
 from ctxpatch.core.prompt import build_prompt
 from tiny import tiny_config, tiny_loaded
@@ -66,7 +66,7 @@ def test_a_llama_like_family_is_one_line_and_matches_the_llama_adapter() -> None
     assert one_line.sites(layer) == REGISTRY["llama"].sites(layer)
     loaded = dataclasses.replace(loaded, adapter=one_line)
     prompt = build_prompt(loaded.tokenizer, "The quick brown fox.", "Hello world!")
-    steps = list(iter_token_patches(loaded, prompt, Settings(max_new_tokens=2)))
+    steps = list(iter_token_patches(loaded, prompt, RunSpec(max_new_tokens=2)))
     assert all(s.patched.match and s.patched.linf <= 1e-6 * s.logit_scale for s in steps)
 
 

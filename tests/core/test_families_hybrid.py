@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ctxpatch.core.compare import Settings, iter_token_patches
+from ctxpatch.core.compare import RunSpec, iter_token_patches
 from ctxpatch.core.errors import UserError
 from ctxpatch.core.export import save_patches
 from ctxpatch.core.forward import extend_cache, last_logits, rolled_back
@@ -53,7 +53,7 @@ def _loaded(name: str):  # type: ignore[no-untyped-def]
 
 def _run(loaded, tokens: int = TOKENS, **kw):  # type: ignore[no-untyped-def]
     prompt = build_prompt(loaded.tokenizer, CONTEXT, QUERY)
-    settings = Settings(max_new_tokens=tokens, **kw)
+    settings = RunSpec(max_new_tokens=tokens, **kw)
     return prompt, settings, list(iter_token_patches(loaded, prompt, settings))
 
 

@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 from ctxpatch.core.adapters.base import SharedExpert
-from ctxpatch.core.compare import Settings, iter_token_patches
+from ctxpatch.core.compare import RunSpec, iter_token_patches
 from ctxpatch.core.engine_moe import experts_view
 from ctxpatch.core.forward import last_logits
 from ctxpatch.core.prompt import build_prompt
@@ -36,7 +36,7 @@ SHARED = ["deepseek_v3", "deepseek_v2", "glm4_moe", "qwen2_moe", "qwen3_next", "
 
 def _steps(loaded, **kw):  # type: ignore[no-untyped-def]
     prompt = build_prompt(loaded.tokenizer, CONTEXT, QUERY)
-    return list(iter_token_patches(loaded, prompt, Settings(max_new_tokens=TOKENS, **kw)))
+    return list(iter_token_patches(loaded, prompt, RunSpec(max_new_tokens=TOKENS, **kw)))
 
 
 def _moe_sites(loaded):  # type: ignore[no-untyped-def]
@@ -189,7 +189,7 @@ def test_gemma4_moe_is_exact_and_its_saved_patches_verify(absorb: str, scope: st
     from ctxpatch.core.verify import read_patches, verify_patches
 
     loaded = _gemma4_moe()
-    settings = Settings(max_new_tokens=TOKENS, absorb=absorb, scope=scope, keep_patches=True)
+    settings = RunSpec(max_new_tokens=TOKENS, absorb=absorb, scope=scope, keep_patches=True)
     prompt = build_prompt(loaded.tokenizer, CONTEXT, QUERY)
     steps = list(iter_token_patches(loaded, prompt, settings))
     assert len(steps) == TOKENS
@@ -230,7 +230,7 @@ def test_gemma4_moe_needs_the_router_and_expert_patches() -> None:
 
     loaded = _gemma4_moe()
     prompt = build_prompt(loaded.tokenizer, CONTEXT, QUERY)
-    steps = list(iter_token_patches(loaded, prompt, Settings(
+    steps = list(iter_token_patches(loaded, prompt, RunSpec(
         max_new_tokens=TOKENS, absorb="all", keep_patches=True)))
     pf = patches_of_steps(steps, "all-positions")
     assert max(c.linf / c.scale for c in verify_patches(loaded, pf)) <= EXACT

@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 import torch
-from ctxpatch.core.compare import Settings, iter_token_patches
+from ctxpatch.core.compare import RunSpec, iter_token_patches
 from ctxpatch.core.export import save_patches
 from ctxpatch.core.prompt import build_prompt
 from ctxpatch.core.results import conditioning
@@ -37,7 +37,7 @@ def loaded(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
 
 def _run(loaded, **kw):  # type: ignore[no-untyped-def]
     prompt = build_prompt(loaded.tokenizer, CONTEXT, QUERY)
-    settings = Settings(max_new_tokens=TOKENS, **kw)
+    settings = RunSpec(max_new_tokens=TOKENS, **kw)
     return prompt, settings, list(iter_token_patches(loaded, prompt, settings))
 
 
@@ -179,7 +179,7 @@ def test_hooks_are_removed_after_runs_and_cancel(loaded) -> None:  # type: ignor
         return calls["n"] > 3  # stop inside the first step, between layers
 
     prompt = build_prompt(loaded.tokenizer, CONTEXT, QUERY)
-    steps = list(iter_token_patches(loaded, prompt, Settings(max_new_tokens=3), should_stop=stop))
+    steps = list(iter_token_patches(loaded, prompt, RunSpec(max_new_tokens=3), should_stop=stop))
     assert steps == []
     for module in loaded.model.modules():
         assert not module._forward_hooks and not module._forward_pre_hooks
@@ -211,7 +211,7 @@ def test_a_saved_moe_model_loads_and_runs_in_float64(tmp_path) -> None:  # type:
 @pytest.mark.parametrize("absorb,scope", [("context", "query"), ("context", "all-positions"),
                                           ("all", "all-positions")])
 def test_without_the_control_the_patched_run_is_unchanged(loaded, absorb: str, scope: str) -> None:  # type: ignore[no-untyped-def]
-    """``Settings.control`` off skips the control (its forward, or its batch row: counted in
+    """``RunSpec.control`` off skips the control (its forward, or its batch row: counted in
     test_control_row.py; scope query still builds the reduced prefix cache the patched pass
     needs): the patched side is the same, the control empty."""
     from ctxpatch.core.compare import NO_CONTROL, summarize

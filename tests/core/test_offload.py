@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ctxpatch.core.compare import Settings, iter_token_patches
+from ctxpatch.core.compare import RunSpec, iter_token_patches
 from ctxpatch.core.errors import UserError
 from ctxpatch.core.export import save_patches
 from ctxpatch.core.loading import load_model
@@ -47,7 +47,7 @@ def pair(folder: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignor
 
 def _run(loaded, **kw):  # type: ignore[no-untyped-def]
     prompt = build_prompt(loaded.tokenizer, CONTEXT, QUERY)
-    settings = Settings(max_new_tokens=TOKENS, keep_patches=True, **kw)
+    settings = RunSpec(max_new_tokens=TOKENS, keep_patches=True, **kw)
     return prompt, settings, list(iter_token_patches(loaded, prompt, settings))
 
 
@@ -83,7 +83,7 @@ def test_the_controllability_plan_reads_offloaded_scales(pair) -> None:  # type:
     from ctxpatch.core.controllability import plan
 
     whole, placed = pair
-    assert plan(placed, Settings()) == plan(whole, Settings())
+    assert plan(placed, RunSpec()) == plan(whole, RunSpec())
 
 
 def test_patches_from_an_offloaded_run_verify(pair, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from ctxpatch.core.compare import Settings, iter_token_patches
+from ctxpatch.core.compare import RunSpec, iter_token_patches
 from ctxpatch.core.errors import UserError
 from ctxpatch.core.export import run_record
 from ctxpatch.core.prompt import build_prompt
@@ -17,7 +17,7 @@ from tiny import gemma3_config, tiny_loaded
 def record():  # type: ignore[no-untyped-def]
     loaded = tiny_loaded(gemma3_config())
     prompt = build_prompt(loaded.tokenizer, "The quick brown fox.", "Hello world!")
-    settings = Settings(max_new_tokens=4)
+    settings = RunSpec(max_new_tokens=4)
     steps = list(iter_token_patches(loaded, prompt, settings))
     rec = run_record(loaded.describe(), prompt, settings, steps, {"context": "The quick brown fox."})
     return json.loads(json.dumps(rec)), steps, prompt

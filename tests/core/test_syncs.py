@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ctxpatch.core.bench import counting_host_syncs, syncs_per_token
-from ctxpatch.core.compare import Settings, iter_token_patches
+from ctxpatch.core.compare import RunSpec, iter_token_patches
 from ctxpatch.core.prompt import build_prompt
 from tiny import TINY, gemma3_config, llama_config, tiny_loaded
 from transformers import AutoConfig
@@ -16,7 +16,7 @@ from transformers import AutoConfig
 def _per_token(config, **options) -> float:  # type: ignore[no-untyped-def]
     loaded = tiny_loaded(config, dtype=torch.float32)
     prompt = build_prompt(loaded.tokenizer, "Alice lives in Paris.", "Where does she live?")
-    settings = Settings(max_new_tokens=4, **options)
+    settings = RunSpec(max_new_tokens=4, **options)
     list(iter_token_patches(loaded, prompt, settings))  # warm-up (parameters' norms, once)
     return syncs_per_token(loaded, prompt, settings)
 
