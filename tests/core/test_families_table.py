@@ -1,6 +1,7 @@
 """The supported families are named from the adapter registry: docs/FAMILIES.md's table and
 `ctxpatch compare --help` list every registered model type, and docs/FAMILIES.md's table is
-exactly the generated one (regenerate: ``python -m ctxpatch.core.adapters docs/FAMILIES.md``)."""
+exactly the generated one (regenerate: ``python -m ctxpatch.core.adapters docs/FAMILIES.md``);
+the README links to it."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ def test_families_table_is_the_generated_one():
     assert all(marker in text for marker in TABLE_MARKERS)
     assert with_families_table(text) == text, (
         "run: python -m ctxpatch.core.adapters docs/FAMILIES.md")
+
+
+def test_readme_links_the_families_table_and_does_not_copy_it():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "(docs/FAMILIES.md)" in readme
+    assert not any(marker in readme for marker in TABLE_MARKERS)
 
 
 def test_generated_table_names_every_model_type_once():
