@@ -1,6 +1,7 @@
-"""The supported families are named from the adapter registry: the README's table and
-`ctxpatch compare --help` list every registered model type, and the README's table is exactly
-the generated one (regenerate with ``python -m ctxpatch.core.adapters README.md``)."""
+"""The supported families are named from the adapter registry: docs/FAMILIES.md's table and
+`ctxpatch compare --help` list every registered model type, and docs/FAMILIES.md's table is
+exactly the generated one (regenerate: ``python -m ctxpatch.core.adapters docs/FAMILIES.md``);
+the README links to it."""
 
 from __future__ import annotations
 
@@ -10,22 +11,30 @@ from pathlib import Path
 
 import pytest
 from ctxpatch.app.cli import main
-from ctxpatch.core.adapters import README_MARKERS, REGISTRY, families_markdown, readme_with_families
+from ctxpatch.core.adapters import REGISTRY, TABLE_MARKERS, families_markdown, with_families_table
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+FAMILIES = ROOT / "docs" / "FAMILIES.md"
 
 
-def test_readme_table_is_the_generated_one():
-    text = README.read_text(encoding="utf-8")
-    assert all(marker in text for marker in README_MARKERS)
-    assert readme_with_families(text) == text, "run: python -m ctxpatch.core.adapters README.md"
+def test_families_table_is_the_generated_one():
+    text = FAMILIES.read_text(encoding="utf-8")
+    assert all(marker in text for marker in TABLE_MARKERS)
+    assert with_families_table(text) == text, (
+        "run: python -m ctxpatch.core.adapters docs/FAMILIES.md")
+
+
+def test_readme_links_the_families_table_and_does_not_copy_it():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "(docs/FAMILIES.md)" in readme
+    assert not any(marker in readme for marker in TABLE_MARKERS)
 
 
 def test_generated_table_names_every_model_type_once():
     table = families_markdown()
     for model_type in REGISTRY:
         assert table.count(f"`{model_type}`") == 1, model_type
-    assert readme_with_families(README_MARKERS[0] + "stale\n" + README_MARKERS[1]).count(
+    assert with_families_table(TABLE_MARKERS[0] + "stale\n" + TABLE_MARKERS[1]).count(
         "stale") == 0
 
 
@@ -39,9 +48,9 @@ def test_compare_help_names_every_model_type():
     assert "examples:" in text
 
 
-def test_readme_without_markers_is_refused():
+def test_a_text_without_markers_is_refused():
     with pytest.raises(ValueError, match="markers"):
-        readme_with_families("no table here")
+        with_families_table("no table here")
 
 
 def _parsers():  # type: ignore[no-untyped-def]
