@@ -57,15 +57,15 @@ def counting_host_syncs() -> Iterator[list[int]]:
     """Count the calls that copy a tensor's value to the host while the block runs (ours,
     transformers' and torch's alike); yields a one-item list holding the count. The tensor
     methods are wrapped for the block only and restored in ``finally``. What runs is what an
-    accelerator would run: the shortcut that solves CPU tensors' secular equations on the
-    host (`core.patches.HOST_MATH`) is off meanwhile."""
+    accelerator would run: the shortcut that solves CPU tensors' secular equations compiled on
+    the host (`core.patches.JIT`) is off meanwhile."""
     import torch
 
     from . import patches
 
     count = [0]
     originals = {name: getattr(torch.Tensor, name) for name in HOST_SYNCS}
-    host_math = patches.HOST_MATH
+    jit = patches.JIT
 
     def counted(original: Callable[..., Any]) -> Callable[..., Any]:
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -75,12 +75,12 @@ def counting_host_syncs() -> Iterator[list[int]]:
         return call
 
     try:
-        patches.HOST_MATH = False  # (a shortcut for CPU tensors only: count the device path)
+        patches.JIT = False  # (a shortcut for CPU tensors only: count the device path)
         for name, original in originals.items():
             setattr(torch.Tensor, name, counted(original))
         yield count
     finally:
-        patches.HOST_MATH = host_math
+        patches.JIT = jit
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
 

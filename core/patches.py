@@ -18,8 +18,8 @@ Dimensions: ``d`` model width, ``f`` MLP width (or any matrix's input / output w
   size of the wanted branch output (`fit_down_target` is the paper's fit, for a frozen scale).
 
 Patch vectors are computed in float32, or float64 for float64 models; the secular equation of
-the stable update is always solved in float64 (on the host for CPU tensors, compiled by numba
-where it is installed: `core.secular_jit`).
+the stable update is always solved in float64 (on torch, or for CPU tensors compiled by numba
+on the host where it is installed, the ``fast`` extra: `core.secular_jit`).
 """
 
 from __future__ import annotations
@@ -148,173 +148,135 @@ class RmsFit:
 STEPS = 6
 _GUARDED = 3
 
-#: CPU tensors' secular solves run on the host (`solve_rms_fit`); `core.bench` turns this off
-#: while it counts host syncs, so that it counts what an accelerator would do
-HOST_MATH = True
-#: host solves run compiled by numba where it is installed (`core.secular_jit`: one call per
-#: layer instead of about 40 NumPy calls); off, or without numba, they run on NumPy arrays
+#: CPU tensors' secular solves run compiled by numba on the host where it is installed (the
+#: ``fast`` extra, `core.secular_jit`: one call per layer instead of about 170 small torch
+#: kernels); off, or without numba, they run on torch as on an accelerator. `core.bench` turns
+#: this off while it counts host syncs, so that it counts what an accelerator would do.
 JIT = True
 
 
 @dataclass(frozen=True)
-class _ArrayOps:
-    """What `_secular` needs of an array library beyond arithmetic and ``@``: vectors ``where``,
-    scalars ``pick``; ``maximum`` propagates NaN, ``fmin``/``fmax`` ignore it; ``below`` is the
-    next float64 towards -inf, ``first_min`` the mask of a vector's first smallest coordinate,
-    ``at_least(x, c)`` raises ``x`` to the number ``c`` (NaN kept), ``copysign`` as NumPy's;
-    ``empty(k, x)`` a ``(k, len(x))`` buffer of ``x``'s kind, filled by ``add``, ``mul`` and
-    ``div`` given ``out=`` (a buffer's rows, so that one ``@`` gives several dot products),
-    ``entries`` a small matrix's entries as scalars, row by row; ``at`` the minimisers' part of a
-    vector (`Poles.at_min`): on a device the vector times a 0/1 mask (an inf elsewhere becomes
-    NaN), on the host the minimisers' values alone; `_secular` only sums their squares and asks
-    whether one is nonzero, where the two agree.
-    Python numbers in ``where`` and ``pick`` only where the other side is an array or scalar
-    of the solve's float64 (torch makes a tensor of two Python floats float32)."""
+class Poles:
+    """What the secular solve on torch (`_secular`) needs of the scale ``m`` alone, computed once
+    (a run keeps one per layer: the weights do not change meanwhile), as float64 tensors on
+    ``m``'s device."""
 
-    where: Any
-    pick: Any
-    sqrt: Any
-    fmin: Any
-    fmax: Any
-    maximum: Any
-    below: Any
-    first_min: Any
-    at_least: Any
-    copysign: Any
-    empty: Any
-    add: Any
-    mul: Any
-    div: Any
-    entries: Any
-    at: Any
-
-
-#: torch tensors, scalars as 0-d tensors: no value crosses to the host
-_DEVICE = _ArrayOps(
-    where=torch.where, pick=torch.where, sqrt=torch.sqrt, fmin=torch.fmin, fmax=torch.fmax,
-    maximum=torch.maximum, below=lambda x: torch.nextafter(x, torch.full_like(x, -math.inf)),
-    first_min=lambda x: torch.arange(x.numel(), device=x.device) == x.argmin(),
-    at_least=torch.clamp_min, copysign=torch.copysign,
-    empty=lambda k, x: x.new_empty((k, x.shape[0])), add=torch.add, mul=torch.mul, div=torch.div,
-    entries=lambda s: s.view(-1).unbind(), at=lambda x, mask: x * mask)
-#: NumPy arrays, scalars as NumPy float64 (conditions decided on the host)
-_HOST = _ArrayOps(
-    where=np.where, pick=lambda c, a, b: a if c else b, sqrt=lambda x: x ** 0.5,
-    fmin=secular_jit.fmin, fmax=secular_jit.fmax, maximum=secular_jit.maximum,
-    below=lambda x: np.nextafter(x, -np.inf), first_min=lambda x: np.arange(x.size) == x.argmin(),
-    at_least=np.maximum, copysign=np.copysign, empty=lambda k, x: np.empty((k, x.shape[0])),
-    add=np.add, mul=np.multiply, div=np.divide, entries=lambda s: list(s.ravel()),
-    at=lambda x, index: x[index])
+    m: Tensor  # (d,)
+    m_scaled: Tensor  # m / sqrt(d): g times it is the solve's g m / sqrt(d)
+    m2: Tensor  # m^2
+    m2_min: Tensor  # () min m^2, the pole
+    at_min: Tensor  # 0/1 at the coordinates attaining it
+    gap: Tensor  # m^2 - min m^2
+    gap_out: Tensor  # the same, infinite at the minimisers (leaves them out of the edge sums)
+    first_min: Tensor  # the mask of the first minimiser (the hard case puts the rest there)
+    t_min: Tensor  # () the smallest distance to the pole kept (mu stays below min m^2)
 
 
 @dataclass(frozen=True)
-class Poles:
-    """What the secular solve needs of the scale ``m`` alone, computed once (a run keeps one per
-    layer: the weights do not change meanwhile), as arrays of the solve's kind (``xp``)."""
+class HostPoles:
+    """The same for the solve compiled on the host (`core.secular_jit`), as NumPy float64: the
+    rows ``m / sqrt(d), m, m^2, gap, gap_out`` in one (5, d) ``table``, the minimisers'
+    indices, the first one's, and the scalars as Python floats."""
 
-    xp: _ArrayOps
-    m: Any  # (d,) float64
-    m_scaled: Any  # m / sqrt(d): g times it is the solve's g m / sqrt(d)
-    m2: Any  # m^2
-    m2_min: Any  # min m^2, the pole
-    at_min: Any  # the coordinates attaining it (for ``xp.at``: a 0/1 mask, or their indices)
-    gap: Any  # m^2 - min m^2
-    gap_out: Any  # the same, infinite at the minimisers (leaves them out of the edge sums)
-    first_min: Any  # the first minimiser (the hard case puts the rest there)
-    t_min: Any  # the smallest distance to the pole kept (mu stays below min m^2)
-    #: on the host, the rows m_scaled, m, m2, gap, gap_out in one (5, d) array and the first
-    #: minimiser's index, for the compiled solve (`core.secular_jit`); None on a device
-    table: Any = None
-    first: int = 0
+    kernels: secular_jit.Kernels
+    table: np.ndarray
+    m: np.ndarray  # (d,) its row of m (a view)
+    at_min: np.ndarray
+    first: int
+    m2_min: float
+    t_min: float
 
 
-def poles(m: Tensor, on_host: bool | None = None) -> Poles:
-    """`Poles` of ``m`` for `solve_rms_fit` and `stable_down_target`: NumPy arrays when the solve
-    runs on the host (``on_host``, by default for a CPU tensor while `HOST_MATH` is on)."""
-    xp = _HOST if _on_host(m, on_host) else _DEVICE
-    m64 = _host_array(m) if xp is _HOST else m.detach().double()
+def poles(m: Tensor) -> Poles | HostPoles:
+    """The poles of ``m`` for `solve_rms_fit`, `fit_down_target` and `stable_down_target`; they
+    also say where those solve: compiled on the host for a CPU ``m`` while `JIT` is on and
+    numba is there (`HostPoles`), else on torch on ``m``'s device (`Poles`)."""
+    kernels = secular_jit.kernel() if JIT and m.device.type == "cpu" else None
+    if kernels is None:
+        return _torch_poles(m.detach().double())
+    m64 = _host_array(m)
     with np.errstate(all="ignore"):  # (IEEE results wanted: an overflowing m^2 is inf)
         m2 = m64 * m64
         m2_min = m2.min()
         at_min = m2 == m2_min
         gap = m2 - m2_min
-        m_scaled = m64 * (1.0 / math.sqrt(m64.shape[0]))
-        gap_out = xp.where(at_min, math.inf, gap)
-    if xp is _DEVICE:
-        return Poles(xp=xp, m=m64, m_scaled=m_scaled, m2=m2, m2_min=m2_min,
-                     at_min=at_min.double(), gap=gap, gap_out=gap_out,
-                     first_min=xp.first_min(m2), t_min=m2_min * 2.0**-52 + 2.0**-1074)
-    table = np.stack([m_scaled, m64, m2, gap, gap_out])
-    m_scaled, m64, m2, gap, gap_out = table  # (views of it)
-    return Poles(xp=xp, m=m64, m_scaled=m_scaled, m2=m2, m2_min=m2_min,
-                 at_min=np.flatnonzero(at_min), gap=gap, gap_out=gap_out,
-                 first_min=xp.first_min(m2), t_min=m2_min * 2.0**-52 + 2.0**-1074, table=table,
-                 first=int(np.argmin(m2)))
+        table = np.stack([m64 * (1.0 / math.sqrt(m64.shape[0])), m64, m2, gap,
+                          np.where(at_min, math.inf, gap)])
+    return HostPoles(kernels=kernels, table=table, m=table[1], at_min=np.flatnonzero(at_min),
+                     first=int(np.argmin(m2)), m2_min=float(m2_min),
+                     t_min=float(m2_min * 2.0**-52 + 2.0**-1074))
 
 
-def _secular(p: Poles, g64: Any, steps: int) -> tuple[Any, Any, Any]:
-    """`solve_rms_fit`'s ``(y, mu, hard_case)`` from float64 ``g`` of the poles' kind. On the host
-    the steps after the guarded ones stop once ``t`` no longer moves (the model root within 4
-    ulps of ``t``: the next step would only round); on a device all ``steps`` run. The sums of
-    each stage are one ``@`` of a buffer's rows with itself."""
-    xp, gap, gap_out = p.xp, p.gap, p.gap_out
+def _torch_poles(m64: Tensor) -> Poles:
+    """`Poles` of the float64 ``m64``, on its device (no value crosses to the host)."""
+    m2 = m64 * m64
+    m2_min = m2.min()
+    at_min = m2 == m2_min
+    gap = m2 - m2_min
+    return Poles(m=m64, m_scaled=m64 * (1.0 / math.sqrt(m64.shape[0])), m2=m2, m2_min=m2_min,
+                 at_min=at_min.double(), gap=gap, gap_out=torch.where(at_min, math.inf, gap),
+                 first_min=torch.arange(m2.numel(), device=m2.device) == m2.argmin(),
+                 t_min=m2_min * 2.0**-52 + 2.0**-1074)
+
+
+def _secular(p: Poles, g64: Tensor, steps: int) -> tuple[Tensor, Tensor, Tensor]:
+    """`solve_rms_fit`'s ``(y, mu, hard_case)`` from float64 ``g`` on the poles' device: the
+    scalars are 0-d tensors, the conditions masks, and all ``steps`` run, so that no value
+    crosses to the host (about 170 small kernels). The sums of each stage are one ``@`` of a
+    buffer's rows with itself. Python numbers in ``torch.where`` only beside a float64 tensor
+    (torch makes a tensor of two Python floats float32)."""
+    gap, gap_out = p.gap, p.gap_out
     n = g64.shape[0]
-    rows = xp.empty(4, g64)
-    gms = xp.mul(g64, p.m_scaled, out=rows[0])  # g m / sqrt(n)
+    rows = g64.new_empty((4, n))
+    gms = torch.mul(g64, p.m_scaled, out=rows[0])  # g m / sqrt(n)
     # Hard case: F stays finite just below min m^2 only when every minimising coordinate has
     # g m = 0, and it is then the hard case when F there is at most 1.
-    y_edge = xp.div(gms, gap_out, out=rows[1])  # the others' y at mu = min m^2, over sqrt(n)
-    xp.div(y_edge, gap_out, out=rows[2])
+    y_edge = torch.div(gms, gap_out, out=rows[1])  # the others' y at mu = min m^2, over sqrt(n)
+    torch.div(y_edge, gap_out, out=rows[2])
     three = rows[:3]
-    s00, _, _, _, s11, s12, _, _, _ = xp.entries(three @ three.T)
+    s00, _, _, _, s11, s12, _, _, _ = (three @ three.T).view(-1).unbind()
     short = n - n * s11  # n (1 - F_edge)
-    gms_pole = xp.at(gms, p.at_min)  # (g m / sqrt(n): a float64 g m so small that this
-    # rounds it to 0 counts as 0 here; only from inputs beyond float32's range)
+    # the minimisers' g m / sqrt(n), 0 elsewhere (a float64 g m so small that this rounds it to
+    # 0 counts as 0 here; only from inputs beyond float32's range; an inf elsewhere gives NaN)
+    gms_pole = gms * p.at_min
     hard = (short >= 0.0) & ~(gms_pole != 0).any()
-    rest = xp.sqrt(xp.maximum(short, abs(0.0 * short)))  # (+0 for short < 0: -0 would make
-    # pole / rest -inf; short itself is never -0)
+    rest = torch.sqrt(torch.maximum(short, abs(0.0 * short)))  # (+0 for short < 0: -0 would
+    # make pole / rest -inf; short itself is never -0)
     # The bracket [t_lo, t_hi] on t = min m^2 - mu (see `solve_rms_fit`).
-    pole = xp.sqrt(n * (gms_pole @ gms_pole))  # sqrt(n a)
-    t_min = p.t_min
-    t_hi = xp.maximum(xp.fmin(xp.sqrt(s00), pole / rest), t_min)
+    pole = torch.sqrt(n * (gms_pole @ gms_pole))  # sqrt(n a)
+    t_hi = torch.maximum(torch.fmin(torch.sqrt(s00), pole / rest), p.t_min)
     tangent = short / (-2.0 * n * s12)
-    t_lo = xp.maximum(xp.fmax((abs(gms) - gap).max(), tangent), t_min)
-    t = xp.sqrt(t_lo) * xp.sqrt(t_hi)
+    t_lo = torch.maximum(torch.fmax((abs(gms) - gap).max(), tangent), p.t_min)
+    t = torch.sqrt(t_lo) * torch.sqrt(t_hi)
     d, y, yd, pair = rows[3], rows[1], rows[2], rows[1:3]
     pair_t = pair.T
     for k in range(steps):
-        xp.add(gap, t, out=d)
-        xp.div(gms, d, out=y)
-        xp.div(y, d, out=yd)
-        f, s3, _, s4 = xp.entries(pair @ pair_t)  # F, -F'(t) / 2, F''(t) / 6
+        torch.add(gap, t, out=d)
+        torch.div(gms, d, out=y)
+        torch.div(y, d, out=yd)
+        f, s3, _, s4 = (pair @ pair_t).view(-1).unbind()  # F, -F'(t) / 2, F''(t) / 6
         s3s3 = s3 * s3
         t_next = t + (s3s3 * (s3s3 + s4 * (1.0 - f)) ** -0.5 - s3) / s4
         if k < _GUARDED:
             below = f < 1.0  # F decreases in t: t is then above the root
-            t_hi = xp.pick(below, t, t_hi)
-            t_lo = xp.pick(below, t_lo, t)
-            inside = xp.fmin(xp.fmax(t_next, t_lo), t_hi)
-            t = xp.pick(abs(inside - t_next) <= t * 2.0**-30, inside,
-                        xp.sqrt(t_lo) * xp.sqrt(t_hi))
+            t_hi = torch.where(below, t, t_hi)
+            t_lo = torch.where(below, t_lo, t)
+            inside = torch.fmin(torch.fmax(t_next, t_lo), t_hi)
+            t = torch.where(abs(inside - t_next) <= t * 2.0**-30, inside,
+                            torch.sqrt(t_lo) * torch.sqrt(t_hi))
         else:
-            settled = xp is _HOST and abs(t_next - t) <= t * 2.0**-50
-            t = xp.fmax(xp.fmin(t_next, t_hi), t_lo)
-            if settled:
-                break
+            t = torch.fmax(torch.fmin(t_next, t_hi), t_lo)
     # The float64 at or below the root (F <= 1 there: y inside the sphere by rounding, not
     # outside, when the root lies within a few ulps of min m^2).
     mu = p.m2_min - t
-    mu = xp.pick(p.m2_min - mu < t, xp.below(mu), mu)
+    mu = torch.where(p.m2_min - mu < t, torch.nextafter(mu, torch.full_like(mu, -math.inf)), mu)
     gm = g64 * p.m
-    y = gm / (p.m2 - mu)
-    if xp is _HOST and not hard:
-        return y, mu, hard
-    y_hard = xp.where(p.first_min, rest, gm / gap_out)  # one minimiser takes the rest
-    return xp.where(hard, y_hard, y), xp.pick(hard, p.m2_min, mu), hard
+    y_hard = torch.where(p.first_min, rest, gm / p.gap_out)  # one minimiser takes the rest
+    return (torch.where(hard, y_hard, gm / (p.m2 - mu)), torch.where(hard, p.m2_min, mu),
+            hard)
 
 
-def solve_rms_fit(g: Tensor, m: Tensor, steps: int = STEPS, on_host: bool | None = None
-                  ) -> RmsFit:
+def solve_rms_fit(g: Tensor, m: Tensor, steps: int = STEPS) -> RmsFit:
     """Fit ``m * y`` to ``g`` with ``y`` on the RMS sphere ``mean(y^2) = 1``.
 
     Stationarity gives ``y_k = g_k m_k / (m_k^2 - mu)`` with ``mu`` the root below ``min m^2`` of
@@ -350,15 +312,13 @@ def solve_rms_fit(g: Tensor, m: Tensor, steps: int = STEPS, on_host: bool | None
     to other close poles, alternate sides for three steps). The result is the float64 at or
     below the root (``F(mu) <= 1`` up to rounding).
 
-    One algorithm, two kinds of arrays (`_ArrayOps`): on an accelerator torch tensors, the
-    scalars 0-d tensors and the conditions masks, so nothing crosses to the host (about 170
-    small kernels); for CPU tensors NumPy arrays with the scalars as host
-    numbers, where reading a value costs nothing: 4-5x faster at 640 coordinates (0.07 ms
-    against 0.3 ms per call on this CPU), the same root to a few ulps. Each stage's sums (the
-    bracket's three, each step's F, F', F'') are one product of a buffer's rows with itself.
-    On the host the same steps run compiled by numba where it is installed (`JIT`,
-    `core.secular_jit`): one call instead of about 40 NumPy calls, each of which pays a cold
-    start in a run (docs/PERFORMANCE.md, sessions 9-10).
+    One algorithm on torch (`_secular`), on every device: the scalars 0-d tensors and the
+    conditions masks, so nothing crosses to the host (about 170 small kernels), each stage's
+    sums (the bracket's three, each step's F, F', F'') one product of a buffer's rows with
+    itself. For CPU tensors the same steps run compiled by numba where it is installed (`JIT`,
+    `core.secular_jit`): one call, which also stops once ``t`` no longer moves (the model root
+    within 4 ulps of ``t``), instead of small kernels that each pay a cold start in a run
+    (docs/PERFORMANCE.md, sessions 9-11).
 
     Hard case: when every coordinate attaining ``min m^2`` has ``g_k m_k = 0``, F may stay below 1
     up to ``min m^2``. Then ``mu = min m^2``, the other coordinates take the regular formula and the
@@ -366,36 +326,22 @@ def solve_rms_fit(g: Tensor, m: Tensor, steps: int = STEPS, on_host: bool | None
 
     Args:
         g: (d,) the target branch output.
-        m: (d,) the post-norm scale.
+        m: (d,) the post-norm scale (where it is, with `JIT`, says where the solve runs).
         steps: model steps (each one evaluation of F and its first two derivatives).
-        on_host: solve with NumPy on the host; by default when ``m`` is a CPU tensor and
-            `HOST_MATH` is on.
 
     Returns:
         An `RmsFit` in float64.
     """
-    p = poles(m, on_host)
-    if p.xp is _DEVICE:
+    p = poles(m)
+    if isinstance(p, Poles):
         y, mu, hard = _secular(p, g.detach().double(), steps)
         return RmsFit(y=y, mu=mu, hard_case=hard)
-    y, mu, hard = _host_fit(p, g, steps, 1.0, False, torch.float64)
-    return RmsFit(y=y, mu=torch.tensor(float(mu), dtype=torch.float64, device=g.device),
-                  hard_case=torch.tensor(bool(hard), device=g.device))
+    h, root, flag = _host_fit(p, g, steps, 1.0, False, torch.float64)
+    return RmsFit(y=h, mu=torch.tensor(root, dtype=torch.float64, device=g.device),
+                  hard_case=torch.tensor(flag, device=g.device))
 
 
-def _on_host(x: Tensor, on_host: bool | None) -> bool:
-    return HOST_MATH and x.device.type == "cpu" if on_host is None else on_host
-
-
-def _from_host(h: Any, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """The host array ``h`` as a tensor of ``dtype`` on ``device`` (rounded by NumPy for a CPU
-    float32 or float64 one)."""
-    if device.type == "cpu" and dtype in _HOST_DTYPES:
-        return torch.from_numpy(np.asarray(h, dtype=_HOST_DTYPES[dtype]))
-    return torch.from_numpy(np.asarray(h)).to(device, dtype)
-
-
-def fit_down_target(g: Tensor, m: Tensor, c_rms: Tensor, fitted: Poles | None = None
+def fit_down_target(g: Tensor, m: Tensor, c_rms: Tensor, fitted: Poles | HostPoles | None = None
                     ) -> tuple[Tensor, Any]:
     """The down-projection output whose normalized, scaled value best matches ``g`` in L2
     (App. B.2, the paper's fit; what a frozen scale can reach at best, PAPER.md section 7).
@@ -412,47 +358,42 @@ def fit_down_target(g: Tensor, m: Tensor, c_rms: Tensor, fitted: Poles | None = 
     return _down_target(g, poles(m) if fitted is None else fitted, c_rms, raise_floor=False)
 
 
-def _down_target(g: Tensor, p: Poles, c_rms: Tensor, raise_floor: bool) -> tuple[Tensor, Any]:
+def _down_target(g: Tensor, p: Poles | HostPoles, c_rms: Tensor, raise_floor: bool
+                 ) -> tuple[Tensor, Any]:
     """``c_rms`` times the secular fit of ``g`` against the poles' scale (its small coordinates
     raised, `_raised`, for the stable update), in ``g``'s dtype, and the hard-case flag."""
-    if p.xp is _DEVICE:
+    if isinstance(p, Poles):
         y, _, hard = _secular(p, g.detach().double(), STEPS)
         c = c_rms.double()
-        return (_raised(p.xp, y, c) if raise_floor else c * y).to(g.dtype), hard
-    h, _, hard = _host_fit(p, g, STEPS, float(c_rms), raise_floor, g.dtype)
-    return h, bool(hard)
+        return (_raised(y, c) if raise_floor else c * y).to(g.dtype), hard
+    h, _, flag = _host_fit(p, g, STEPS, float(c_rms), raise_floor, g.dtype)
+    return h, flag
 
 
-def _host_fit(p: Poles, g: Tensor, steps: int, scale: float, raise_floor: bool,
-              dtype: torch.dtype) -> tuple[Tensor, Any, Any]:
-    """``(scale * y, mu, hard)`` of the host solve, ``y`` raised (`_raised`) when
-    ``raise_floor``, as a tensor of ``dtype`` on ``g``'s device: compiled (`core.secular_jit`)
-    while `JIT` is on and numba is there (reading a CPU float32 or float64 ``g`` in place and
-    writing the result in ``dtype`` where it can), else `_secular` on NumPy arrays."""
-    jit = secular_jit.kernel() if JIT else None
-    if jit is None:
-        with np.errstate(all="ignore"):  # (IEEE results wanted: inf, NaN)
-            y, mu, hard = _secular(p, _host_array(g), steps)
-            h = _raised(p.xp, y, scale) if raise_floor else scale * y
-        return _from_host(h, dtype, g.device), mu, hard
+def _host_fit(p: HostPoles, g: Tensor, steps: int, scale: float, raise_floor: bool,
+              dtype: torch.dtype) -> tuple[Tensor, float, bool]:
+    """``(scale * y, mu, hard)`` of the compiled solve (`core.secular_jit`), ``y`` raised
+    (`_raised`) when ``raise_floor``, as a tensor of ``dtype`` on ``g``'s device: it reads a
+    CPU float32 or float64 ``g`` in place and writes the result in ``dtype`` where it can."""
     if g.shape != p.m.shape:  # (the compiled loops do not check bounds)
         raise ValueError(f"the target has shape {tuple(g.shape)}, the scale {p.m.shape}")
     direct = g.device.type == "cpu" and dtype in _HOST_DTYPES
     x = _host_array(g, dtype if direct else torch.float64)
     h = np.empty(x.shape[0], dtype=x.dtype)
-    mu, hard = jit.fit(x, p.table, p.at_min, p.first, float(p.m2_min), float(p.t_min), steps,
-                       _GUARDED, scale, DIRECTION_FLOOR, raise_floor, h)
-    return (torch.from_numpy(h) if direct else torch.from_numpy(h).to(g.device, dtype)), mu, hard
+    mu, hard = p.kernels.fit(x, p.table, p.at_min, p.first, p.m2_min, p.t_min, steps, _GUARDED,
+                             scale, DIRECTION_FLOOR, raise_floor, h)
+    out = torch.from_numpy(h)
+    return (out if direct else out.to(g.device, dtype)), float(mu), bool(hard)
 
 
-def down_patch_row(g: Tensor, down: Tensor, x: Tensor, y: Tensor, fitted: Poles,
+def down_patch_row(g: Tensor, down: Tensor, x: Tensor, y: Tensor, fitted: Poles | HostPoles,
                    raise_floor: bool) -> tuple[Rank1, Tensor, bool] | None:
     """The down matrix's patch of the stable update (``raise_floor``, `stable_down_target`) or
     of the fit (`fit_down_target`) at one row, and the row it makes, in one compiled call
     (`core.secular_jit`): what ``matrix_output_patch(target - y, x)`` and its action
     ``y + u (a . x)`` give, computed in float64 (a few cold operations less per layer than
-    composing them from tensors). None where that call is not available: a solve not on the
-    host, `JIT` off or numba missing, or vectors that are not CPU float32 or float64 of one dtype.
+    composing them from tensors). None where that call is not available: poles not compiled
+    (`HostPoles`), or vectors that are not CPU float32 or float64 of one dtype.
 
     Args:
         g: (d,) target branch output, as for `stable_down_target`.
@@ -464,16 +405,15 @@ def down_patch_row(g: Tensor, down: Tensor, x: Tensor, y: Tensor, fitted: Poles,
         ``(Rank1(u, a, void), row, hard_case)`` in the vectors' dtype.
     """
     vectors = (g, down, x, y)
-    jit = secular_jit.kernel() if JIT and fitted.xp is _HOST else None
-    if jit is None or g.dtype not in _HOST_DTYPES or any(
+    if not isinstance(fitted, HostPoles) or g.dtype not in _HOST_DTYPES or any(
             v.device.type != "cpu" or v.dtype != g.dtype or v.dim() != 1 or not v.numel()
             or not v.is_contiguous() for v in vectors) or not g.shape == y.shape == fitted.m.shape:
         return None  # (the compiled loops do not check bounds: the composition then raises)
     u, a, row = (torch.empty_like(y), torch.empty_like(x), torch.empty_like(y))
-    _, hard, void = jit.down_row(*(v.detach().numpy() for v in vectors), fitted.table,
-                                 fitted.at_min, fitted.first, float(fitted.m2_min),
-                                 float(fitted.t_min), STEPS, _GUARDED, DIRECTION_FLOOR,
-                                 raise_floor, u.numpy(), a.numpy(), row.numpy())
+    _, hard, void = fitted.kernels.down_row(
+        *(v.detach().numpy() for v in vectors), fitted.table, fitted.at_min, fitted.first,
+        fitted.m2_min, fitted.t_min, STEPS, _GUARDED, DIRECTION_FLOOR, raise_floor, u.numpy(),
+        a.numpy(), row.numpy())
     return Rank1(u=u, a=a, void=torch.tensor(void)), row, bool(hard)
 
 
@@ -506,14 +446,14 @@ def conditioned_scale(m: Tensor, floor: float = SCALE_FLOOR) -> Tensor:
     return torch.where(tau > 0, raised, torch.ones_like(m))
 
 
-def stable_poles(m: Tensor) -> Poles:
-    """The `Poles` of `conditioned_scale` of ``m``, what `stable_down_target` fits against (they
+def stable_poles(m: Tensor) -> Poles | HostPoles:
+    """The `poles` of `conditioned_scale` of ``m``, what `stable_down_target` fits against (they
     depend on the weights only: a run computes them once per layer)."""
     return poles(conditioned_scale(m.double()))
 
 
-def stable_down_target(g: Tensor, m: Tensor, c_rms: Tensor, fitted: Poles | None = None
-                       ) -> tuple[Tensor, Any]:
+def stable_down_target(g: Tensor, m: Tensor, c_rms: Tensor,
+                       fitted: Poles | HostPoles | None = None) -> tuple[Tensor, Any]:
     """The down-projection output of the conditioned stable update (App. B, done so that the
     remainder ``dm = g / N(h') - m`` stays bounded).
 
@@ -529,20 +469,21 @@ def stable_down_target(g: Tensor, m: Tensor, c_rms: Tensor, fitted: Poles | None
         m: (d,) post-norm scale.
         c_rms: () the fixed RMS value, ``RMS(h_down,C)`` (keeps the down patch small).
         fitted: ``stable_poles(m)`` when already computed; they also say where the solve runs
-            (on the host for CPU tensors: one transfer each way, where it costs nothing).
+            (`poles`: compiled on the host for CPU tensors where numba is there, one transfer
+            each way, where it costs nothing; else on torch).
 
     Returns:
         ``(h_target, hard_case)`` with ``h_target = c_rms * y`` in ``g``'s dtype; ``hard_case``
-        a 0-d tensor, or a Python bool when solved on the host.
+        a 0-d tensor, or a Python bool when solved compiled on the host.
     """
     return _down_target(g, stable_poles(m) if fitted is None else fitted, c_rms,
                         raise_floor=True)
 
 
-def _raised(xp: _ArrayOps, y: Any, scale: Any) -> Any:
+def _raised(y: Tensor, scale: Tensor) -> Tensor:
     """``scale`` times ``y`` with every ``|y_k|`` raised to at least `DIRECTION_FLOOR` (a zero
     takes its sign bit) and put back on the RMS sphere."""
-    y = xp.copysign(xp.at_least(abs(y), DIRECTION_FLOOR), y)
+    y = torch.copysign(torch.clamp_min(abs(y), DIRECTION_FLOOR), y)
     return y * (scale * ((y @ y) / y.shape[0]) ** -0.5)
 
 

@@ -1,25 +1,30 @@
-"""The stable update's per-layer host arithmetic, compiled by numba (`kernel`).
+"""The stable update's per-layer host arithmetic, compiled by numba (`kernel`), where it is
+installed (the optional ``fast`` extra: ``pip install "ctxpatch[fast]"``).
 
 On a CPU the per-layer cost of the stable update is cold (docs/PERFORMANCE.md, session 9): each
 layer's hooks run right after its weights have streamed through the caches, and every distinct
-NumPy or torch operation then pays a cold start on its first call (15-60 us for NumPy's).
-`core.patches._secular` on NumPy arrays makes about 40 such calls per layer; compiled, the solve
-is one call, and with the down matrix's patch and its patched row (`_down_row`) one call
-replaces about a dozen torch operations more (session 10: the stable update's extra cost per
-layer on the demo, in bfloat16, from about 260 us to about 110).
+NumPy or torch operation then pays a cold start on its first call. `core.patches._secular`, the
+solve on torch, runs about 170 small kernels per layer; compiled, the solve is one call, and
+with the down matrix's patch and its patched row (`_down_row`) one call replaces about a dozen
+torch operations more (session 10: the stable update's extra cost per layer on the demo, in
+bfloat16, from about 260 us to about 110 against the NumPy solve of then; session 11 measures
+the torch one).
 
 - `_fit` is `core.patches._secular` followed by `core.patches._raised`, step for step, with the
   same IEEE conventions (``fmin``/``fmax`` ignore NaN, ``maximum`` propagates it, divisions by
-  zero give infinities: numba's ``error_model="numpy"``); only the order of the sums differs
-  (loops here, BLAS there), so the two agree to a few ulps.
+  zero give infinities: numba's ``error_model="numpy"``); it also stops once ``t`` no longer
+  moves, and the order of the sums differs (loops here, BLAS there), so the two agree to a few
+  ulps.
 - `_down_row` is `_fit` on the target's RMS, then `core.patches.matrix_output_patch` and
   `core.activations.rank1_row`, in float64 rounded once to the patch dtype.
 
-tests/core/test_patches.py runs every solve test compiled and on NumPy and compares both
-functions with what they replace; tests/core/test_control_row.py compares whole runs. Compiled
-at first use (about 4 s: two functions, for float32 and float64), then cached on disk by numba
-(where no folder is writable, compiled in every process); where numba is missing or cannot
-compile, `kernel` returns None and the NumPy and torch code runs.
+tests/core/test_patches.py runs every solve test compiled and on torch and compares both
+functions with what they replace; tests/core/test_control_row.py compares whole runs, and
+tests/core/test_no_numba.py a run where numba cannot be imported. Compiled at first use (about
+4 s: two functions, for float32 and float64), then cached on disk by numba (where no folder is
+writable, compiled in every process). Where numba is missing, `kernel` returns None silently;
+where it does not load or cannot compile, it says so in the log and returns None; the solve
+then runs on torch.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ _lock = threading.Lock()
 _built: list[Any] = []  # [the compiled `Kernels`, or None]
 
 
+# The scalar conventions of `core.patches._secular`'s torch calls, for `_fit` (compiled inline)
 def fmin(a: float, b: float) -> float:
     """The smaller of two scalars, NaN ignored (as ``torch.fmin``)."""
     return b if a != a else a if b != b else min(a, b)
@@ -58,14 +64,14 @@ def _fit(g: np.ndarray, table: np.ndarray, at_min: np.ndarray, first: int, m2_mi
     """``(mu, hard)``, and into ``h`` (float32 or float64) ``scale`` times the fit ``y`` (raised
     to ``floor`` and put back on the RMS sphere when ``raise_floor``), as `core.patches._secular`
     and `_raised` in float64 (``g`` float32 or float64). ``table`` holds the poles' rows
-    ``m / sqrt(n), m, m^2, gap, gap_out`` (`core.patches.Poles.table`)."""
+    ``m / sqrt(n), m, m^2, gap, gap_out`` (`core.patches.HostPoles.table`)."""
     n = g.shape[0]
     m_scaled, m, m2, gap, gap_out = table[0], table[1], table[2], table[3], table[4]
     gms = np.empty(n)
     s00 = 0.0
     s11 = 0.0
     s12 = 0.0
-    edge = -math.inf  # max(|g m| / sqrt(n) - gap), NaN propagated as NumPy's max
+    edge = -math.inf  # max(|g m| / sqrt(n) - gap), NaN propagated as torch's max
     for i in range(n):
         v = np.float64(g[i]) * m_scaled[i]
         gms[i] = v
@@ -134,7 +140,7 @@ def _fit(g: np.ndarray, table: np.ndarray, at_min: np.ndarray, first: int, m2_mi
             ss += v * v
         scale = scale * (ss / n) ** -0.5
     for i in range(n):
-        h[i] = out[i] * scale  # (rounded as NumPy's astype where h is float32)
+        h[i] = out[i] * scale  # (rounded to nearest where h is float32, as torch's .to)
     return mu, hard
 
 
@@ -179,8 +185,8 @@ class Kernels(NamedTuple):
 
 def kernel() -> Kernels | None:
     """`_fit` and `_down_row` compiled by numba (built at the first call, cached on disk where
-    numba can), or None where numba is missing or fails to compile (the caller then computes
-    with NumPy and torch)."""
+    numba can), or None where numba is missing, disabled or fails to compile (the caller then
+    computes on torch)."""
     with _lock:
         if not _built:
             _built.append(_build())
@@ -190,8 +196,12 @@ def kernel() -> Kernels | None:
 def _build() -> Kernels | None:
     try:
         import numba
-    except Exception as e:  # (missing, or an llvmlite that does not load)
-        _log.warning("numba does not load (%s): the stable update runs on NumPy", e)
+    except ModuleNotFoundError as e:
+        if e.name != "numba":  # (installed, but what it needs is not: say so)
+            _log.warning("numba does not load (%s): the stable update runs on torch", e)
+        return None  # (not installed: the optional extra left out, nothing to say)
+    except Exception as e:  # (an llvmlite that does not load)
+        _log.warning("numba does not load (%s): the stable update runs on torch", e)
         return None
     if numba.config.DISABLE_JIT:  # (NUMBA_DISABLE_JIT: the loops would run as Python)
         return None
@@ -211,7 +221,7 @@ def _build() -> Kernels | None:
             return Kernels(fit, down_row)
         except Exception as e:
             failure = e
-    _log.warning("numba could not compile the stable update (%s): it runs on NumPy", failure)
+    _log.warning("numba could not compile the stable update (%s): it runs on torch", failure)
     return None
 
 

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Build the standalone one-folder bundle with PyInstaller, then smoke-test it.
 #   bash packaging/build_bundle.sh [OUT_DIR]      (needs: pip install pyinstaller)
+# The bundle carries numba where it is installed (pip install -e ".[fast]": PyInstaller follows
+# core/secular_jit.py's import) and then compiles the stable update; without it, it solves on
+# torch. The smoke test says which.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-build/bundle}"

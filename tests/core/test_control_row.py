@@ -260,8 +260,10 @@ def test_whole_runs_with_the_compiled_down_row_are_the_composed_ones(
         name: str, method: str, control: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """`core.patches.down_patch_row` (the down matrix's patch of the stable update or the fit and
     its patched row in one compiled call, at the steps that patch one row) against the same
-    composed from tensors (`patches.JIT` off), over whole float64 runs: the same patches and the
-    same distance of the patched logits to the full context's; and the compiled call did run."""
+    composed from tensors and solved on torch (`patches.JIT` off), over whole float64 runs: the
+    same patches and the same distance of the patched logits to the full context's; and the
+    compiled call did run."""
+    pytest.importorskip("numba")
     loaded = _loaded(name)
     sites = [loaded.adapter.sites(layer) for layer in loaded.adapter.layers(loaded.model)]
     if not any(s.out_matrix is not None and s.out_norm is not None for s in sites):
@@ -298,6 +300,7 @@ def test_the_compiled_down_row_in_a_model_s_own_precision(dtype: torch.dtype,
     case: compiled and composed runs both reach the full context's logits to the precision's
     level, agree with each other to it, and have the same patches to float32 rounding carried
     through the layers (measured: 7e-5 of a vector's largest entry at most)."""
+    pytest.importorskip("numba")
     loaded = tiny_loaded(gemma3_config(layers=4), dtype=dtype)
     runs = {}
     for jit in (True, False):

@@ -20,19 +20,20 @@ from ctxpatch.core.patches import (
     stable_poles,
 )
 
-#: the secular solve on the host compiled by numba (CPU tensors' default), on the host with
-#: NumPy (where numba is missing), and as on an accelerator (torch tensors)
-HOST_OR_DEVICE = pytest.mark.parametrize("on_host", ["jit", "numpy", "device"], indirect=True)
+#: the secular solve compiled by numba on the host (CPU tensors' default where the ``fast``
+#: extra is installed; skipped where it is not) and on torch (every device's, and CPU
+#: tensors' without numba)
+SOLVES = pytest.mark.parametrize("solve", ["compiled", "torch"], indirect=True)
 
 
 @pytest.fixture
-def on_host(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Where the solve runs (`HOST_OR_DEVICE`): `patches.JIT` set, and the ``on_host`` argument."""
-    kind = request.param
-    if kind == "jit":
-        assert secular_jit.kernel() is not None, "numba is a dependency: the solve must compile"
-    monkeypatch.setattr(patches, "JIT", kind == "jit")
-    return kind != "device"
+def solve(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Where the solve runs (`SOLVES`): `patches.JIT` set."""
+    if request.param == "compiled":
+        pytest.importorskip("numba")
+        assert secular_jit.kernel() is not None, "numba is installed: the solve must compile"
+    monkeypatch.setattr(patches, "JIT", request.param == "compiled")
+    return str(request.param)
 
 
 @pytest.fixture(autouse=True)
@@ -94,24 +95,24 @@ def test_scale_patch_divides_by_one_at_zeros() -> None:
     torch.testing.assert_close(dm, torch.tensor([0.5, 3.0, -0.5]))
 
 
-@HOST_OR_DEVICE
-def test_rms_fit_recovers_a_reachable_target(on_host: bool) -> None:
+@SOLVES
+def test_rms_fit_recovers_a_reachable_target(solve: str) -> None:
     g = torch.Generator().manual_seed(3)
     m = torch.randn(64, generator=g).abs() + 0.2
     y_true = _sphere(torch.randn(64, generator=g))
-    fit = solve_rms_fit(m * y_true, m, on_host=on_host)
+    fit = solve_rms_fit(m * y_true, m)
     assert not fit.hard_case
     torch.testing.assert_close(fit.y, y_true, rtol=1e-9, atol=1e-9)
     assert abs(fit.mu) < 1e-9
 
 
-@HOST_OR_DEVICE
-def test_rms_fit_is_the_global_minimiser(on_host: bool) -> None:
+@SOLVES
+def test_rms_fit_is_the_global_minimiser(solve: str) -> None:
     g = torch.Generator().manual_seed(4)
     for trial in range(20):
         m = torch.randn(32, generator=g) * (0.1 + trial / 10)
         target = torch.randn(32, generator=g) * 3
-        fit = solve_rms_fit(target, m, on_host=on_host)
+        fit = solve_rms_fit(target, m)
         assert math.isclose(float(fit.y.pow(2).mean()), 1.0, rel_tol=1e-9)
         assert fit.mu < float((m * m).min())
         best = _objective(m, fit.y, target)
@@ -147,8 +148,8 @@ def _sphere_error(g: torch.Tensor, m: torch.Tensor, mu: float) -> float:
     return abs(float(y.pow(2).mean()) - 1)
 
 
-@HOST_OR_DEVICE
-def test_rms_fit_matches_bisection_on_a_sweep(on_host: bool) -> None:
+@SOLVES
+def test_rms_fit_matches_bisection_on_a_sweep(solve: str) -> None:
     """The secular solve lands on the sphere (within 1e-7, or as well as 200 bisection steps) over widths 4 to
     640, scales 1e-3 to 1e2 of m and 1e-4 to 1e4 of g, zeros in m, all-positive m, and near-hard
     cases: the minimising coordinate's g almost zero, with the other coordinates' F at the pole
@@ -179,7 +180,7 @@ def test_rms_fit_matches_bisection_on_a_sweep(on_host: bool) -> None:
         ulps = trial % 11 == 0 and bool(m[k] != 0)
         if ulps:  # (the root is then within float64's resolution of the pole: finite is all)
             g[k] = 2e-16
-        fit = solve_rms_fit(g, m, on_host=on_host)
+        fit = solve_rms_fit(g, m)
         if fit.hard_case:
             continue
         checked += 1
@@ -221,14 +222,14 @@ def _random_secular_cases() -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         yield kind, g, m
 
 
-@HOST_OR_DEVICE
-def test_rms_fit_agrees_with_bisection_on_random_cases(on_host: bool) -> None:
+@SOLVES
+def test_rms_fit_agrees_with_bisection_on_random_cases(solve: str) -> None:
     """The fixed-step safeguarded solve against 200 float64 bisection steps: on the sphere as
     well as the bisection (the sweep's accuracy), mu on its side of the root (F <= 1), and the
     same distance to the pole: to 1e-12 where the root is away from the pole, to 1e-6 where F is
     nearly flat in mu near the root (near-hard, no pole). Fails with 4 steps instead of 6."""
     for trial, (kind, g, m) in enumerate(_random_secular_cases()):
-        fit = solve_rms_fit(g, m, on_host=on_host)
+        fit = solve_rms_fit(g, m)
         assert not fit.hard_case, trial
         pole = float((m * m).min())
         mu, reference = float(fit.mu), _bisection_root(g, m)
@@ -256,12 +257,12 @@ def test_rms_fit_makes_no_host_sync() -> None:
     assert not fits[0].hard_case and fits[1].hard_case
 
 
-@HOST_OR_DEVICE
-def test_rms_fit_hard_case(on_host: bool) -> None:
+@SOLVES
+def test_rms_fit_hard_case(solve: str) -> None:
     # m_0 = 0 attains min m^2 and g_0 m_0 = 0; the other coordinates are small, so F stays < 1.
     m = torch.tensor([0.0, 1.0, 2.0, 3.0])
     target = torch.tensor([5.0, 0.1, 0.1, 0.1])
-    fit = solve_rms_fit(target, m, on_host=on_host)
+    fit = solve_rms_fit(target, m)
     assert fit.hard_case
     assert fit.mu == 0.0
     assert torch.isfinite(fit.y).all()
@@ -303,17 +304,16 @@ def test_counterexample_frozen_scale_cannot_reach_large_shift() -> None:
     assert float((m * fit2.y - reachable).norm()) < 1e-9
 
 
-@HOST_OR_DEVICE
-def test_the_solve_takes_parameters(on_host: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@SOLVES
+def test_the_solve_takes_parameters(solve: str) -> None:
     """A scale straight from a module (a Parameter, or a target that requires grad) is solved as
     its values are: the device path writes into buffers, which autograd would refuse."""
     gen = torch.Generator().manual_seed(11)
     m = torch.nn.Parameter(torch.randn(24, generator=gen))
     g = torch.randn(24, generator=gen).requires_grad_()
-    fit = solve_rms_fit(g, m, on_host=on_host)
-    plain = solve_rms_fit(g.detach(), m.detach(), on_host=on_host)
+    fit = solve_rms_fit(g, m)
+    plain = solve_rms_fit(g.detach(), m.detach())
     assert torch.equal(fit.y, plain.y) and not fit.y.requires_grad
-    monkeypatch.setattr(patches, "HOST_MATH", on_host)  # (where the stable target solves)
     h, _ = stable_down_target(g, m, torch.tensor(1.5))
     assert torch.equal(h, stable_down_target(g.detach(), m.detach(), torch.tensor(1.5))[0])
 
@@ -346,20 +346,22 @@ def _same(a: torch.Tensor, b: torch.Tensor, rel: float) -> bool:
     return bool(((a[fin] - b[fin]).abs() <= rel * max(size, 1e-300)).all())
 
 
-def test_the_compiled_solve_is_the_numpy_solve(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`core.secular_jit` against `_secular` on NumPy: the fit, its root, the hard case and the
+def test_the_compiled_solve_is_the_torch_solve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`core.secular_jit` against `_secular` on torch: the fit, its root, the hard case and the
     stable target (floor, RMS), on regular inputs and on those where NaN, infinities and ties
-    decide; only the order of the sums differs."""
+    decide; only the order of the sums and the compiled solve's early stop differ."""
+    pytest.importorskip("numba")
     assert secular_jit.kernel() is not None
     checked = 0
     for case, (g, m) in enumerate(_edge_secular_cases()):
         runs = {}
         for jit in (True, False):
             monkeypatch.setattr(patches, "JIT", jit)
+            fitted = stable_poles(m)
+            assert isinstance(fitted, patches.HostPoles) == jit
             with torch.no_grad():
-                runs[jit] = (solve_rms_fit(g, m, on_host=True),
-                             stable_down_target(g, m, torch.tensor(1.5), patches.poles(
-                                 patches.conditioned_scale(m.double()), on_host=True)))
+                runs[jit] = (solve_rms_fit(g, m),
+                             stable_down_target(g, m, torch.tensor(1.5), fitted))
         (fit, (h, hard)), (ref, (h_ref, hard_ref)) = runs[True], runs[False]
         assert bool(fit.hard_case) == bool(ref.hard_case) and hard == hard_ref, case
         # mu to 1e-6 of its distance to the pole where the root sits near it (F flat in mu
@@ -382,6 +384,7 @@ def test_the_compiled_down_row_is_the_composed_one(dtype: torch.dtype, raise_flo
     target of `stable_down_target` or `fit_down_target`, `matrix_output_patch` of its shift
     from the row, the patch's action on the row): the same vectors to the dtype's rounding; a
     zero input row is void (``a = 0``, the row unchanged); None where it cannot run."""
+    pytest.importorskip("numba")
     gen = torch.Generator().manual_seed(3)
     rel = 1e-6 if dtype == torch.float32 else 1e-12
     for trial in range(30):
@@ -418,6 +421,5 @@ def test_the_compiled_down_row_is_the_composed_one(dtype: torch.dtype, raise_flo
     assert down_patch_row(g, down, x[::2], y, fitted, raise_floor) is None  # (a strided view)
     with pytest.raises(ValueError, match="shape"):
         solve_rms_fit(torch.ones(17, dtype=dtype), m)
-    assert down_patch_row(g, down, x, y, patches.poles(m, on_host=False), raise_floor) is None
-    monkeypatch.setattr(patches, "JIT", False)
-    assert down_patch_row(g, down, x, y, fitted, raise_floor) is None
+    monkeypatch.setattr(patches, "JIT", False)  # (poles on torch: no compiled call)
+    assert down_patch_row(g, down, x, y, patches.poles(m), raise_floor) is None
