@@ -201,10 +201,11 @@ def _load(run: Any, say: _Progress) -> Any:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from ..core.controllability import conditioning_line, outcome, plan, summary_lines
+    from ..core.controllability import conditioning_line, outcome, summary_lines
     from ..core.export import save_patches, steps_csv, write_json, write_text
+    from ..core.plan import RunPlan
     from ..core.results import summarize
-    from ..core.runs import compare, prepare, verify_run
+    from ..core.runs import prepare, prompt_of, run_comparison, verify_run
 
     say = _Progress(args.quiet)
     run = spec.from_namespace(args, keep_patches=args.save_patches is not None or args.verify)
@@ -213,7 +214,9 @@ def run_compare(args: argparse.Namespace) -> int:
                    "--report": args.report}, _inputs(args), text=("--json", "--csv"))
     check_report(args.report)
     loaded = _load(run, say)
-    plans = plan(loaded, run)
+    prompt = prompt_of(loaded, run, picture)
+    plan = RunPlan.build(loaded, prompt, run)
+    plans = plan.report
     for line in summary_lines(plans):
         say(line)
 
@@ -222,7 +225,7 @@ def run_compare(args: argparse.Namespace) -> int:
             f"{'match' if s.patched.match else 'MISMATCH ' + repr(s.patched.text)} "
             f"linf={s.patched.linf:.3g} control linf={s.control.linf:.3g}")
 
-    done = compare(loaded, run, picture, progress, plans=plans)
+    done = run_comparison(loaded, prompt, run, progress, plan=plan)
     steps, record = done.steps, done.record
     elapsed = record["summary"]["seconds"]["wall"]
     say(summary_lines(plans, outcome(steps, plans))[-1])
@@ -271,9 +274,9 @@ def run_bench(args: argparse.Namespace) -> int:
     import json
 
     from ..core.bench import machine, measure_memory, measure_time
-    from ..core.compare import resolve_control_row
-    from ..core.prompt import build_prompt, check_prompt
-    from ..core.runs import prepare
+    from ..core.plan import resolve_control_row
+    from ..core.prompt import check_prompt
+    from ..core.runs import prepare, prompt_of
 
     say = _Progress(args.quiet)
     if args.repeats < 1:
@@ -283,8 +286,7 @@ def run_bench(args: argparse.Namespace) -> int:
     picture = prepare(run) if run.image else None
     check_outputs({"--json": args.json}, _inputs(args), text=("--json",))
     loaded = _load(run, say)
-    prompt = build_prompt(loaded.tokenizer, run.context, run.query, run.chat_template,
-                          image=picture, processor=loaded.processor)
+    prompt = prompt_of(loaded, run, picture)
     check_prompt(prompt, run.absorb)
     run = resolve_control_row(loaded, run)  # (the JSON says which control row ran)
     result: dict[str, Any] = {"machine": machine(), "model": run.model, "dtype": run.dtype,

@@ -83,31 +83,26 @@ def run_job(model: ModelReady, options: dict[str, Any]) -> Job:
     def job(should_stop: StopFn, progress: ProgressFn) -> Iterator[Any]:
         from dataclasses import replace
 
-        from ..core.compare import iter_token_patches, resolve_control, resolve_control_row
-        from ..core.controllability import plan
-        from ..core.prompt import build_prompt, check_prompt
-        from ..core.runs import prepare
-        from ..core.spec import from_options, parse_layers
+        from ..core.compare import iter_token_patches
+        from ..core.plan import RunPlan
+        from ..core.runs import prepare, prompt_of
+        from ..core.spec import from_options
 
         loaded = model.handle
         spec = from_options(options)
-        picture = prepare(spec)
-        prompt = build_prompt(loaded.tokenizer, spec.context, spec.query, spec.chat_template,
-                              image=picture, processor=loaded.processor)
-        check_prompt(prompt, spec.absorb)
-        spec = resolve_control_row(loaded, spec)  # (the record says which ran)
-        n = int(model.info["num_layers"])
+        prompt = prompt_of(loaded, spec, prepare(spec))
+        plan = RunPlan.build(loaded, prompt, spec)  # (its spec says which control row runs)
         yield RunStarted(
-            settings={**spec.to_dict(), "device": str(loaded.device)},
+            settings={**plan.spec.to_dict(), "device": str(loaded.device)},
             prompt=replace(prompt, pixels=None),  # the window gets no tensors
-            layers=tuple(parse_layers(spec.layers, n)),
-            num_layers=n,
-            control=resolve_control(loaded, spec),
+            layers=tuple(plan.sites),
+            num_layers=int(model.info["num_layers"]),
+            control=plan.patch.control,
             model=model.info,
-            plan=tuple(plan(loaded, spec)),
+            plan=tuple(plan.report),
         )
         # (the window's progress follows the tokens as they arrive in RunState)
-        yield from iter_token_patches(loaded, prompt, spec, should_stop)
+        yield from iter_token_patches(loaded, prompt, plan.spec, should_stop, plan)
 
     return job
 

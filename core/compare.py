@@ -13,18 +13,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from .adapters.base import LayerSites
-from .controllability import output_plan
 from .engine import (
     LayerPatch,
-    PatchSpec,
-    compute_dtype,
     patching,
     recording,
 )
@@ -39,9 +35,9 @@ from .forward import (
     rows_logits,
 )
 from .loading import LoadedModel
-from .offload import resident
 from .patches import Delta, Rank1
-from .prompt import Prompt, check_prompt, reduced_sequence
+from .plan import RunPlan, _Norms
+from .prompt import Prompt, reduced_sequence
 from .results import (
     ENTRY_BOUND,
     LAYER_MEASURES,
@@ -130,60 +126,6 @@ def _side(tokenizer: Any, host: _Host, keys: dict[str, Any]) -> Side:
                 tvd=float(host.get(keys["tvd"])), top_k=_top_k(tokenizer, host, keys["top"]))
 
 
-def _blocked_norm(flat: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """The L2 norm of a flat tensor in float64, to about 1e-7 relative, without a float64 copy
-    of it (a 7B model's MLP matrix would take 4x its memory): norms of blocks of ``block``
-    entries in float32 (float64 for a float64 tensor; a 16-bit tensor converted 2^20 entries at
-    a time), combined in float64. 40 times faster here than float64 sums of squares."""
-    dtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
-    parts = []
-    for chunk in flat.split(1 << 20):
-        n = chunk.numel() // block * block
-        if n:
-            parts.append(torch.linalg.vector_norm(chunk[:n].view(-1, block), dim=1, dtype=dtype))
-        if n < chunk.numel():
-            parts.append(torch.linalg.vector_norm(chunk[n:], dtype=dtype).reshape(1))
-    return torch.linalg.vector_norm(torch.cat(parts).double())
-
-
-class _Norms:
-    """Parameter norms and largest entries, computed once per run, for relative patch sizes."""
-
-    def __init__(self, model: torch.nn.Module, norm_offset: float, scale_names: set[str]) -> None:
-        self.modules = dict(model.named_modules())
-        self.offset, self.scale_names = norm_offset, scale_names
-        self.cache: dict[str, tuple[float, float]] = {}
-
-    def _measures(self, name: str) -> torch.Tensor:
-        base, _, index = name.partition("[")
-        owner, _, leaf = base.rpartition(".")
-        p = resident(self.modules[owner], leaf).detach()
-        p = p[int(index.rstrip("]"))] if index else p
-        if name in self.scale_names:  # (a vector)
-            p = p.double() + self.offset  # relative to the effective scale m = offset + weight
-        if not p.numel():
-            return p.new_zeros(2, dtype=torch.float64)
-        flat = p.reshape(-1)
-        low, high = torch.aminmax(flat)
-        return torch.stack([_blocked_norm(flat), torch.maximum(low.abs(), high.abs()).double()])
-
-    def prefetch(self, names: Any) -> None:
-        """Measure every parameter of ``names`` not measured yet, in one transfer."""
-        todo = [n for n in dict.fromkeys(names) if n not in self.cache]
-        if todo:
-            measures = [self._measures(n) for n in todo]
-            device = measures[0].device  # (layers may sit on several devices: one of them)
-            values = torch.stack([m.to(device) for m in measures]).tolist()
-            self.cache.update({n: (v[0], v[1]) for n, v in zip(todo, values, strict=True)})
-
-    def of(self, name: str) -> tuple[float, float]:
-        """(norm, largest absolute entry) of a parameter, or of slice ``e`` for a name
-        ``param[e]`` (MoE experts); a post-norm scale counts as ``m = offset + weight``."""
-        if name not in self.cache:
-            self.prefetch([name])
-        return self.cache[name]
-
-
 def _ratio(x: float, ref: float) -> float:
     return x / ref if ref else (0.0 if x == 0 else math.inf)
 
@@ -257,271 +199,160 @@ def _patch_arrays(lps: dict[int, LayerPatch], transposed: bool) -> dict[str, np.
     return arrays
 
 
-def _eos_ids(loaded: LoadedModel) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(loaded.model, "generation_config", None), loaded.tokenizer):
-        eos = getattr(source, "eos_token_id", None)
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, list | tuple):
-            ids.update(int(e) for e in eos)
-    return ids
-
-
-def resolve_control(loaded: LoadedModel, settings: RunSpec) -> str:
-    controls = loaded.adapter.output_controls
-    control = settings.output_control or controls[0]
-    if control not in controls:
-        raise UserError(
-            f"output control {control!r} is not available for {loaded.adapter.family}: "
-            f"use {', '.join(controls)}"
-        )
-    if control in ("matrix", "bias"):  # a layer whose only output control is its norm's scale
-        adapter = loaded.adapter
-        for i, layer in enumerate(adapter.layers(loaded.model)):
-            s = adapter.sites(layer)
-            if s.out_matrix is None and s.out_norm is not None:
-                raise UserError(f"output control {control!r} is not available in layer {i} of "
-                                f"this {adapter.family} model (experts beside the MLP under one "
-                                "post-norm: its scale is the output control): use scale")
-    return control
-
-
-def _max_positions(model: Any) -> int | None:
-    config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    value = getattr(text, "max_position_embeddings", None)
-    return int(value) if value else None
-
-
-@dataclass
-class _Plan:
-    """What a run needs beyond its settings, decided once before the first token."""
-
-    layers: Any  # all decoder layers
-    sites: dict[int, LayerSites]  # the patched layers' handles
-    spec: PatchSpec
-    names: dict[int, str]  # id(module) -> qualified name
-    dtype: torch.dtype  # the patch vectors' compute dtype
-    norms: _Norms
-    eos: set[int]
-    batched: bool  # the control runs as a batch row beside the patched one
-    one_pass: bool  # after the first token, all rows in one cached pass (`one_pass`)
-
-
-def batched_control(loaded: LoadedModel, settings: RunSpec, sites: dict[int, Any]) -> bool:
-    """Whether the control runs as a second batch row of the patched pass.
-
-    Possible with absorb all, where both passes run the same reduced sequence without a cache
-    (with absorb context the control extends a cache of the reduced prefix instead), in families
-    whose hooks can tell the rows apart (dense layers; not Gemma 3n's AltUp streams).
-    ``control_row`` "batched" or "separate" decides where it is possible; "auto" batches, as
-    `bench/ab.py` measured it faster everywhere it could (docs/PERFORMANCE.md): a second row is
-    nearly free where a pass is bound by reading the weights (a GPU, 16-bit weights on a CPU),
-    and on a CPU in float32 once the head reads its weights once for both rows
-    (`core.forward.one_read_head`).
-    """
-    return settings.control and _rows_batchable(loaded, settings, sites)
-
-
-def _rows_batchable(loaded: LoadedModel, settings: RunSpec, sites: dict[int, Any]) -> bool:
-    """What `batched_control` and `one_pass` both need: absorb all (every reduced sequence the
-    same), hooks that can tell batch rows apart (dense patched layers, not Gemma 3n's streams),
-    and ``control_row`` not "separate"."""
-    return (settings.absorb == "all" and settings.control_row != "separate"
-            and loaded.adapter.batch_rows and all(s.router is None for s in sites.values()))
-
-
-def one_pass(loaded: LoadedModel, prompt: Prompt, settings: RunSpec,
-             sites: dict[int, Any]) -> bool:
-    """Whether, from the second token on, the full context, the control and the patched
-    sequence run as batch rows of one cached forward (`core.forward.rows_logits`): with absorb
-    all every row is the same one token, row 0 sees the full context's cache and the others
-    are masked from it, and the recording hooks read row 0 in the same module calls in which
-    the patching hooks patch the last row. One pass reads the weights once for every row (a
-    GPU's decoding is bound by that; on a CPU a few rows cost about one). Not with the BOS kept
-    (two reduced tokens), an image, MoE layers, Gemma 3n's streams, recurrent or state-space
-    layers (their states are not masked: checked on the cache), a cache whose copies for the
-    rows would add more than `core.forward.ROWS_CACHE_SHARE` of the weights' memory (checked
-    at the second token), or ``control_row`` "separate", which keeps every row a pass of its
-    own."""
-    return (_rows_batchable(loaded, settings, sites) and not settings.keep_bos
-            and not prompt.pixels)
-
-
-def resolve_control_row(loaded: LoadedModel, settings: RunSpec) -> RunSpec:
-    """``settings`` with ``control_row`` saying what the run does, "batched" or "separate"
-    (`batched_control`), as records keep their options resolved; unchanged without a control."""
-    settings.validate()
-    if not settings.control:
-        return settings
-    _, sites, _ = plan_patching(loaded, settings)
-    row = "batched" if batched_control(loaded, settings, sites) else "separate"
-    return settings if row == settings.control_row else replace(settings, control_row=row)
-
-
-def plan_patching(loaded: LoadedModel, settings: RunSpec
-                  ) -> tuple[Any, dict[int, LayerSites], PatchSpec]:
-    """The run's layers, the patched layers' sites and the `PatchSpec` with each layer's
-    `OutputPlan`: decided here once, for the run (`_plan`) and for its controllability report
-    (`core.controllability.plan`).
-
-    Raises:
-        UserError: on an output control the model (or its output matrix: a bias) does not
-            offer, or a layer selection it does not have.
-    """
-    control = resolve_control(loaded, settings)
-    model, adapter = loaded.model, loaded.adapter
-    layers = adapter.layers(model)
-    sites = {i: adapter.sites(layers[i]) for i in parse_layers(settings.layers, len(layers))}
-    if control == "bias" and any(getattr(s.out_matrix, "bias", None) is None for s in sites.values()):
-        raise UserError(f"this {adapter.family} model's output matrix has no bias: "
-                        "use the output control 'matrix'")
-    dtype = compute_dtype(loaded.dtype)
-    spec = PatchSpec(
-        method=settings.method,
-        control=control,
-        last_only=settings.scope == "query",
-        disabled=settings.disabled,
-        norm_offset=adapter.norm_offset,
-        # kept patches are saved in float32 unless the run is float64 (patches format /2)
-        stored_dtype=torch.float32 if settings.keep_patches and dtype != torch.float64 else None,
-        outputs={i: output_plan(s, control, settings.method, settings.disabled)
-                 for i, s in sites.items()},
-    )
-    return layers, sites, spec
-
-
-def _plan(loaded: LoadedModel, prompt: Prompt, settings: RunSpec) -> _Plan:
-    """Every check before the first token (settings, prompt, control, layers, length), and what
-    the loop needs."""
-    settings.validate()
-    check_prompt(prompt, settings.absorb)
-    layers, sites, spec = plan_patching(loaded, settings)
-    model, adapter = loaded.model, loaded.adapter
-    limit = _max_positions(model)
-    full = len(prompt.full_ids)
-    if limit is not None and full + settings.max_new_tokens > limit:
-        raise UserError(
-            f"input too long: {full} prompt tokens + {settings.max_new_tokens} new tokens "
-            f"exceed the model's {limit} positions (shorten the context or generate fewer tokens)"
-        )
-    names = {id(m): n for n, m in model.named_modules()}
-    dtype = compute_dtype(loaded.dtype)
-    scale_names = {f"{names[id(s.out_norm)]}.weight" for s in sites.values() if s.out_norm is not None}
-    return _Plan(layers, sites, spec, names, dtype, _Norms(model, adapter.norm_offset, scale_names),
-                 _eos_ids(loaded) if settings.stop_at_eos else set(),
-                 batched_control(loaded, settings, sites),
-                 one_pass(loaded, prompt, settings, sites))
-
-
 def iter_token_patches(
     loaded: LoadedModel,
     prompt: Prompt,
-    settings: RunSpec,
+    spec: RunSpec,
     should_stop: Callable[[], bool] | None = None,
+    plan: RunPlan | None = None,
 ) -> Iterator[StepResult]:
-    """Run the protocol, yielding one `StepResult` per generated token.
+    """Run the protocol (Algorithm 1, token by token), yielding one `StepResult` per generated
+    token: each step's forwards run as the plan's strategy says (`_Passes`); the history grows
+    with the baseline's token (teacher forcing).
 
     Args:
         loaded: the model (only the calling thread touches it).
         prompt: the tokenized prompt.
-        settings: the run's settings.
+        spec: the run's options.
         should_stop: checked between layers and tokens; the generator then ends quietly.
+        plan: the run's plan when the caller made it (`RunPlan.build`), else made here.
     """
-    from transformers import DynamicCache
-
-    plan = _plan(loaded, prompt, settings)
-    model, device = loaded.model, loaded.device
-    layers, sites, spec, names, dtype = plan.layers, plan.sites, plan.spec, plan.names, plan.dtype
-    full = list(prompt.full_ids)
-    cached_query = settings.absorb == "context" and settings.scope == "query"
-    base_cache = DynamicCache(config=model.config)
-    ctrl_cache = DynamicCache(config=model.config) if settings.absorb == "context" else None
-    ctrl_len = 0
+    plan = RunPlan.build(loaded, prompt, spec) if plan is None else plan
+    passes = _Passes(loaded, prompt, plan, should_stop)
     history: list[int] = []
-    feed = full
-    rows = 1  # batch rows of one pass per token (`one_pass`), from the second token
-    memo: dict[Any, Any] = {}  # what the hooks compute from the weights alone
     try:
         with torch.inference_mode():
-            for step in range(settings.max_new_tokens):
+            for step in range(plan.spec.max_new_tokens):
                 if should_stop is not None and should_stop():
                     return
-                t0 = time.perf_counter()
-                if step == 1 and plan.one_pass and attention_only(base_cache):
-                    more = 3 if settings.control else 2  # full context, (control,) patched
-                    growth = (len(full) + settings.max_new_tokens) / len(full)
-                    if one_pass_fits(base_cache, model, more, growth):
-                        rows = more
-                        base_cache.batch_repeat_interleave(rows)
-                if rows > 1:  # one pass: the current token as every row (absorb all)
-                    red_ids, red_pos = reduced_sequence(prompt, history, "all")
-                    with recording(layers, sites, dtype, should_stop, rows) as targets, \
-                            patching(layers, sites, targets,
-                                     replace(spec, batch=rows, same_pass=True), names, dtype,
-                                     memo=memo) as lps:
-                        out = rows_logits(model, red_ids[0], red_pos[0], device, base_cache, rows)
-                    logits = (out[0], out[-1], out[1] if settings.control else None)
-                    # (all of the one pass counts as the baseline's time)
-                    seconds = {"baseline": time.perf_counter() - t0, "patched": 0.0,
-                               "control": 0.0}
-                else:
-                    with recording(layers, sites, dtype, should_stop) as targets:
-                        base = last_logits(model, feed, device, cache=base_cache, pixels=prompt.pixels)
-                    t1 = time.perf_counter()
-                    red_ids, red_pos = reduced_sequence(prompt, history, settings.absorb, settings.keep_bos)
-                    ctrl = None
-                    if cached_query:
-                        assert ctrl_cache is not None
-                        if len(red_ids) - 1 > ctrl_len:
-                            extend_cache(model, red_ids[ctrl_len:-1], device, ctrl_cache)
-                            ctrl_len = len(red_ids) - 1
-                        with rolled_back(ctrl_cache), patching(
-                            layers, sites, targets, spec, names, dtype, should_stop, memo
-                        ) as lps:
-                            patched = last_logits(model, red_ids[-1:], device, cache=ctrl_cache)
-                    elif plan.batched:  # the control as row 0, the patched sequence as row 1
-                        with patching(layers, sites, targets, replace(spec, batch=2), names, dtype,
-                                      should_stop, memo) as lps:
-                            ctrl, patched = last_logits(model, red_ids, device, positions=red_pos,
-                                                        rows=2)
-                    else:
-                        with patching(layers, sites, targets, spec, names, dtype, should_stop,
-                                      memo) as lps:
-                            patched = last_logits(model, red_ids, device, positions=red_pos)
-                    t2 = time.perf_counter()
-                    if plan.batched or not settings.control:
-                        pass  # (scope query still extends the prefix cache above, step by step)
-                    elif ctrl_cache is not None:
-                        ctrl = last_logits(model, red_ids[ctrl_len:], device, cache=ctrl_cache)
-                        ctrl_len = len(red_ids)
-                    else:
-                        ctrl = last_logits(model, red_ids, device, positions=red_pos)
-                    logits = (base, patched, ctrl)
-                    seconds = {"baseline": t1 - t0, "patched": t2 - t1,
-                               "control": time.perf_counter() - t2}
+                logits, lps, (red_ids, red_pos), seconds = passes.step(step, history)
                 result = _step_result(
-                    loaded, settings, plan, step, logits, lps,
-                    ids=(full + history, red_ids, red_pos), position=len(full) + len(history) - 1,
-                    seconds=seconds)
+                    loaded, plan, step, logits, lps,
+                    ids=(passes.full + history, red_ids, red_pos),
+                    position=len(passes.full) + len(history) - 1, seconds=seconds)
                 yield result
                 history.append(result.baseline_token)
-                feed = [result.baseline_token]
+                passes.feed = [result.baseline_token]
                 if result.baseline_token in plan.eos:
                     return
     except Cancelled:
         return
 
 
-def _step_result(loaded: LoadedModel, settings: RunSpec, plan: _Plan, step: int,
+class _Passes:
+    """The run's execution strategy (`core.plan.STRATEGIES`): how one step's forwards run.
+
+    Every step records the full-context model's targets and baseline logits on its cache, then
+    runs the patched model (and the unpatched control) on the reduced sequence: as passes of
+    their own ("separate passes"), the control as a batch row of the patched pass ("batched
+    control"), both extending a cache of the reduced prefix ("cached query"), or, from the
+    second token, every row in one cached forward ("one pass", where the cache's copies fit).
+    """
+
+    def __init__(self, loaded: LoadedModel, prompt: Prompt, plan: RunPlan,
+                 should_stop: Callable[[], bool] | None) -> None:
+        from transformers import DynamicCache
+
+        self.loaded, self.prompt, self.plan, self.should_stop = loaded, prompt, plan, should_stop
+        config = loaded.model.config
+        self.full = list(prompt.full_ids)
+        self.feed = self.full  # what the full-context pass reads next (its cache holds the rest)
+        self.base_cache = DynamicCache(config=config)
+        self.ctrl_cache = DynamicCache(config=config) if plan.spec.absorb == "context" else None
+        self.ctrl_len = 0  # reduced tokens in ctrl_cache
+        self.rows = 1  # batch rows of one pass, from the second token ("one pass")
+        self.memo: dict[Any, Any] = {}  # what the hooks compute from the weights alone
+
+    def step(self, step: int, history: list[int]) -> tuple[Any, Any, Any, dict[str, float]]:
+        """The step's (baseline, patched, control) logits, layer patches, reduced ids and
+        positions, and seconds per side."""
+        plan = self.plan
+        if step == 1 and plan.strategy == "one pass":
+            self._try_one_pass()
+        if self.rows > 1:
+            return self._one_pass(history)
+        t0 = time.perf_counter()
+        with recording(plan.layers, plan.sites, plan.dtype, self.should_stop) as targets:
+            base = last_logits(self.loaded.model, self.feed, self.loaded.device,
+                               cache=self.base_cache, pixels=self.prompt.pixels)
+        t1 = time.perf_counter()
+        red_ids, red_pos = reduced_sequence(self.prompt, history, plan.spec.absorb,
+                                            plan.spec.keep_bos)
+        patched, ctrl, lps = self._patched(targets, red_ids, red_pos)
+        t2 = time.perf_counter()
+        if ctrl is None and plan.spec.control:
+            ctrl = self._control(red_ids, red_pos)
+        seconds = {"baseline": t1 - t0, "patched": t2 - t1, "control": time.perf_counter() - t2}
+        return (base, patched, ctrl), lps, (red_ids, red_pos), seconds
+
+    def _try_one_pass(self) -> None:
+
+        if not attention_only(self.base_cache):
+            return
+        spec = self.plan.spec
+        more = 3 if spec.control else 2  # full context, (control,) patched
+        growth = (len(self.full) + spec.max_new_tokens) / len(self.full)
+        if one_pass_fits(self.base_cache, self.loaded.model, more, growth):
+            self.rows = more
+            self.base_cache.batch_repeat_interleave(more)
+
+    def _one_pass(self, history: list[int]) -> tuple[Any, Any, Any, dict[str, float]]:
+        """The current token as every row (absorb all): row 0 sees the full context's cache."""
+        plan, rows, t0 = self.plan, self.rows, time.perf_counter()
+        red_ids, red_pos = reduced_sequence(self.prompt, history, "all")
+        with recording(plan.layers, plan.sites, plan.dtype, self.should_stop, rows) as targets, \
+                patching(plan.layers, plan.sites, targets,
+                         replace(plan.patch, batch=rows, same_pass=True), plan.names, plan.dtype,
+                         memo=self.memo) as lps:
+            out = rows_logits(self.loaded.model, red_ids[0], red_pos[0], self.loaded.device,
+                              self.base_cache, rows)
+        logits = (out[0], out[-1], out[1] if plan.spec.control else None)
+        # (all of the one pass counts as the baseline's time)
+        seconds = {"baseline": time.perf_counter() - t0, "patched": 0.0, "control": 0.0}
+        return logits, lps, (red_ids, red_pos), seconds
+
+    def _patched(self, targets: Any, red_ids: list[int], red_pos: Any) -> tuple[Any, Any, Any]:
+        """The patched logits, the control's when they come from the same pass, and the layer
+        patches."""
+        plan, model, device = self.plan, self.loaded.model, self.loaded.device
+        hooks = (plan.layers, plan.sites, targets)
+        if plan.strategy == "cached query":
+            assert self.ctrl_cache is not None
+            if len(red_ids) - 1 > self.ctrl_len:
+                extend_cache(model, red_ids[self.ctrl_len:-1], device, self.ctrl_cache)
+                self.ctrl_len = len(red_ids) - 1
+            with rolled_back(self.ctrl_cache), patching(
+                    *hooks, plan.patch, plan.names, plan.dtype, self.should_stop,
+                    self.memo) as lps:
+                return last_logits(model, red_ids[-1:], device, cache=self.ctrl_cache), None, lps
+        if plan.batched:  # the control as row 0, the patched sequence as row 1
+            with patching(*hooks, replace(plan.patch, batch=2), plan.names, plan.dtype,
+                          self.should_stop, self.memo) as lps:
+                ctrl, patched = last_logits(model, red_ids, device, positions=red_pos, rows=2)
+            return patched, ctrl, lps
+        with patching(*hooks, plan.patch, plan.names, plan.dtype, self.should_stop,
+                      self.memo) as lps:
+            return last_logits(model, red_ids, device, positions=red_pos), None, lps
+
+    def _control(self, red_ids: list[int], red_pos: Any) -> Any:
+        """The control's logits in a pass of its own: on the reduced prefix's cache with absorb
+        context (extended token by token), else on the whole reduced sequence."""
+        model, device = self.loaded.model, self.loaded.device
+        if self.ctrl_cache is not None:
+            ctrl = last_logits(model, red_ids[self.ctrl_len:], device, cache=self.ctrl_cache)
+            self.ctrl_len = len(red_ids)
+            return ctrl
+        return last_logits(model, red_ids, device, positions=red_pos)
+
+
+def _step_result(loaded: LoadedModel, plan: RunPlan, step: int,
                  logits: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
                  lps: dict[int, LayerPatch], ids: tuple[list[int], list[int], Any],
                  position: int, seconds: dict[str, float]) -> StepResult:
     """The step's results: everything it shows is queued on the device and crosses to the host
     in one transfer (`_Host`), then checked for faults and put in a `StepResult`."""
     base, patched, ctrl = logits
-    tok, k = loaded.tokenizer, settings.top_k
+    tok, k = loaded.tokenizer, plan.spec.top_k
     host = _Host(base.device)
     base_probs = torch.softmax(base, -1)
     base_token = base.argmax()
@@ -536,7 +367,7 @@ def _step_result(loaded: LoadedModel, settings: RunSpec, plan: _Plan, step: int,
     plan.norms.prefetch(name for keys in norm_keys.values() for name in keys)
     pn = {i: _patch_norms(host, keys, plan.norms) for i, keys in norm_keys.items()}
     scale = float(host.get(base_keys[1]))
-    if settings.on_fault == "stop":
+    if plan.spec.on_fault == "stop":
         _check_finite(step, scale, sorted(i for i, (_, bad) in pn.items() if bad),
                       [float(host.get(side["linf"])) for side in sides if side is not None],
                       loaded.dtype)
@@ -556,7 +387,7 @@ def _step_result(loaded: LoadedModel, settings: RunSpec, plan: _Plan, step: int,
         patch_norms={i: norms for i, (norms, _) in pn.items()},
         layer_info={i: _layer_info(host, keys, *pn[i]) for i, keys in layer_keys.items()},
         seconds=seconds,
-        patches=_patch_arrays(lps, loaded.adapter.transposed) if settings.keep_patches else None,
+        patches=_patch_arrays(lps, loaded.adapter.transposed) if plan.spec.keep_patches else None,
     )
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # `outcome` and `summary_lines` run in the window's thread without torch
     from .adapters.base import LayerSites
+    from .engine import PatchSpec
     from .loading import LoadedModel
     from .results import StepResult
     from .spec import RunSpec
@@ -117,17 +118,25 @@ class LayerPlan:
 
 
 def plan(loaded: LoadedModel, settings: RunSpec) -> list[LayerPlan]:
-    """What the run will patch, per layer, and under which conditions: the layers, sites and
-    output plans are the run's own (`core.compare.plan_patching`)."""
+    """The controllability report of a run of ``settings`` without running it (a run has it in
+    `core.plan.RunPlan.report`)."""
+    from .plan import plan_patching
+
+    _, sites, spec = plan_patching(loaded, settings)
+    return report(loaded, sites, spec)
+
+
+def report(loaded: LoadedModel, sites: dict[int, LayerSites], spec: PatchSpec
+           ) -> list[LayerPlan]:
+    """What the run will patch, per layer, and under which conditions, from the run's own
+    layers, sites and output plans (`core.plan.plan_patching`)."""
     import torch
 
-    from .compare import plan_patching
     from .engine_moe import gate_up_name
     from .offload import resident
     from .patches import reachable_shift_bound
 
     model = loaded.model
-    _, sites, spec = plan_patching(loaded, settings)
     names = {id(m): n for n, m in model.named_modules()}
 
     def weight(m: Any) -> str:

@@ -10,11 +10,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .compare import iter_token_patches, resolve_control_row
-from .controllability import LayerPlan, plan, record_section
+from .compare import iter_token_patches
+from .controllability import LayerPlan, record_section
 from .errors import UserError
 from .export import run_record
 from .loading import LoadedModel
+from .plan import RunPlan
 from .prompt import Prompt
 from .results import StepResult, nan_max
 from .spec import RunSpec, check_request
@@ -69,35 +70,37 @@ def load(spec: RunSpec, progress: Callable[[str, int, int], None] | None = None,
                       allow_pickle=spec.allow_pickle, placement=spec.placement())
 
 
-def compare(loaded: LoadedModel, spec: RunSpec, picture: Any = None,
-            on_step: Callable[[StepResult], None] | None = None,
-            should_stop: Callable[[], bool] | None = None,
-            plans: list[LayerPlan] | None = None) -> Comparison:
-    """The spec's prompt built with the model's tokenizer, then `run_comparison`."""
+def prompt_of(loaded: LoadedModel, spec: RunSpec, picture: Any = None) -> Prompt:
+    """The spec's prompt, tokenized by the model's tokenizer (and processor, for a picture)."""
     from .prompt import build_prompt
 
-    prompt = build_prompt(loaded.tokenizer, spec.context, spec.query, spec.chat_template,
-                          image=picture, processor=loaded.processor)
-    return run_comparison(loaded, prompt, spec, on_step, should_stop, plans)
+    return build_prompt(loaded.tokenizer, spec.context, spec.query, spec.chat_template,
+                        image=picture, processor=loaded.processor)
+
+
+def compare(loaded: LoadedModel, spec: RunSpec, picture: Any = None,
+            on_step: Callable[[StepResult], None] | None = None,
+            should_stop: Callable[[], bool] | None = None) -> Comparison:
+    """`prompt_of`, then `run_comparison`."""
+    return run_comparison(loaded, prompt_of(loaded, spec, picture), spec, on_step, should_stop)
 
 
 def run_comparison(loaded: LoadedModel, prompt: Prompt, spec: RunSpec,
                    on_step: Callable[[StepResult], None] | None = None,
                    should_stop: Callable[[], bool] | None = None,
-                   plans: list[LayerPlan] | None = None) -> Comparison:
-    """Plan (unless ``plans`` is given), run every step (``on_step`` after each; ``should_stop``
-    between layers and tokens) and build the record."""
-    spec = resolve_control_row(loaded, spec)
-    plans = plan(loaded, spec) if plans is None else plans
+                   plan: RunPlan | None = None) -> Comparison:
+    """Plan (`RunPlan.build`, unless the caller did), run every step (``on_step`` after each;
+    ``should_stop`` between layers and tokens) and build the record."""
+    plan = RunPlan.build(loaded, prompt, spec) if plan is None else plan
     steps: list[StepResult] = []
     start = time.perf_counter()
-    for s in iter_token_patches(loaded, prompt, spec, should_stop):
+    for s in iter_token_patches(loaded, prompt, plan.spec, should_stop, plan):
         steps.append(s)
         if on_step is not None:
             on_step(s)
     wall = time.perf_counter() - start
-    record = record_of(loaded.describe(), prompt, spec, steps, plans, wall)
-    return Comparison(steps, plans, record, spec, prompt)
+    record = record_of(loaded.describe(), prompt, plan.spec, steps, plan.report, wall)
+    return Comparison(steps, plan.report, record, plan.spec, prompt)
 
 
 def verify_run(loaded: LoadedModel, comparison: Comparison,

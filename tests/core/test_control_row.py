@@ -15,7 +15,8 @@ import pytest
 import torch
 from ctxpatch.core import engine, patches
 from ctxpatch.core.adapters import REGISTRY
-from ctxpatch.core.compare import RunSpec, batched_control, iter_token_patches
+from ctxpatch.core.compare import RunSpec, iter_token_patches
+from ctxpatch.core.plan import batched_control
 from ctxpatch.core.forward import attention_only
 from ctxpatch.core.prompt import build_prompt
 from tiny import TINY, gemma3_config, tiny_config, tiny_loaded

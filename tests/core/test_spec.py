@@ -159,3 +159,43 @@ print("clean")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "clean", done.stderr[-2000:]
+
+
+def test_a_run_is_planned_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`RunPlan.build` decides the layers, sites and output plans once per run, for the run,
+    its resolved control row and its controllability report (it was three times)."""
+    from ctxpatch.core import plan as plans
+
+    calls: list[int] = []
+    real = plans.plan_patching
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(plans, "plan_patching", counted)
+    folder = save_tiny_folder(tmp_path / "m", llama_config(layers=2))
+    assert main(["compare", "--model", str(folder), "--absorb", "all", "--query", QUERY,
+                 "--max-new-tokens", "2", "--quiet"]) == 0
+    assert len(calls) == 1
+    ctxpatch.compare(tiny_loaded(tiny_config("llama")), context="c", query=QUERY,
+                     max_new_tokens=2)
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("family, options, strategy", [
+    ("llama", dict(absorb="all"), "one pass"),
+    ("llama", dict(absorb="all", control_row="separate"), "separate passes"),
+    ("llama", dict(absorb="all", keep_bos=True), "batched control"),
+    ("llama", dict(absorb="context", scope="query"), "cached query"),
+    ("llama", dict(absorb="context"), "separate passes"),
+    ("mixtral", dict(absorb="all"), "separate passes"),
+])
+def test_the_plan_names_one_strategy(family: str, options: dict[str, str], strategy: str) -> None:
+    from ctxpatch.core.plan import RunPlan
+    from ctxpatch.core.prompt import build_prompt
+
+    loaded = tiny_loaded(tiny_config(family))
+    run = RunSpec(max_new_tokens=1, **options)
+    prompt = build_prompt(loaded.tokenizer, "" if run.absorb == "all" else "Alice.", QUERY)
+    assert RunPlan.build(loaded, prompt, run).strategy == strategy
