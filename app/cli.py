@@ -250,11 +250,11 @@ def run_compare(args: argparse.Namespace) -> int:
                          image=done.prompt.image)
         say(f"saved {n} patch tensors to {args.save_patches}")
     if args.report:  # last: the data above is safe whatever happens to the report
-        from ..core.records import run_from_record
+        from ..core.record import read_record
         from .report import write_report
 
         report = Path(args.report)
-        write_report(run_from_record(record), report, report.with_name(f"{report.stem}_plots"))
+        write_report(read_record(record), report, report.with_name(f"{report.stem}_plots"))
         say(f"wrote the report {report} and its plots in {report.stem}_plots/")
     if STDOUT not in (args.json, args.csv):  # stdout carries only the data asked for
         summary = summarize(steps)

@@ -114,7 +114,7 @@ class SessionReady:
     path: str
     data: dict[str, Any]  # app.session.load_session: the JSON data, schema 1
     index: int | None  # the run shown (None: a session without runs)
-    run: Any  # core.records.Run of that run (plain steps, no tensors), or None
+    run: Any  # core.record.RunRecord of that run (plain steps, no tensors), or None
 
 
 def session_job(path: str) -> Job:

@@ -1,7 +1,7 @@
 """Reports: one self-contained HTML file (plots embedded as PNG), or PDF through Qt's own
 writer, plus every plot as PNG and SVG (pyqtgraph's exporters). Works offscreen.
 
-The report is made from a run's JSON record (`core.export.run_record`), so the command line,
+The report is made from a run's JSON record (`core.record.record_of`), so the command line,
 the window, sessions and ``ctxpatch reproduce`` all produce the same thing. All user text is
 escaped.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 from ..core import __version__
 from ..core.errors import UserError
-from ..core.records import Run
+from ..core.record import RunRecord
 from .jobs import RunStarted
 from .panels.generation_panel import COLORS, token_html
 from .state import RunState
@@ -56,7 +56,7 @@ def ensure_app() -> Any:
     return app
 
 
-def fill_state(state: RunState, run: Run) -> RunState:
+def fill_state(state: RunState, run: RunRecord) -> RunState:
     """Replay a finished run into a `RunState` (its views update as in a live run)."""
     layers = sorted({layer for s in run.steps for layer in s.patch_norms}) or sorted(
         {layer for s in run.steps for layer in s.layer_info})
@@ -72,7 +72,7 @@ def fill_state(state: RunState, run: Run) -> RunState:
     return state
 
 
-def plot_images(run: Run) -> dict[str, tuple[bytes, bytes]]:
+def plot_images(run: RunRecord) -> dict[str, tuple[bytes, bytes]]:
     """The run's plots as {name: (PNG bytes, SVG bytes)}: the per-token metrics, then the
     patch-norm heatmap and profile of every patched parameter ("patch-norms/<param>")."""
     from PySide6.QtCore import Qt
@@ -161,7 +161,7 @@ def _table(rows: Sequence[Sequence[Any]], header: Sequence[str] | None = None,
     return f"<table>{'<tr>' + head + '</tr>' if head else ''}{body}</table>"
 
 
-def _tokens(run: Run, side: str) -> str:
+def _tokens(run: RunRecord, side: str) -> str:
     spans = []
     for s in run.steps:
         text = s.baseline_text if side == "baseline" else s.patched.text
@@ -180,7 +180,7 @@ def _fmt(x: Any) -> str:
 THUMBNAIL = "context-image"
 
 
-def thumbnail(run: Run, size: int = 256) -> bytes | None:
+def thumbnail(run: RunRecord, size: int = 256) -> bytes | None:
     """A PNG thumbnail of the run's context image, when the file is still there unchanged."""
     import io
 
@@ -199,7 +199,7 @@ def thumbnail(run: Run, size: int = 256) -> bytes | None:
     return out.getvalue()
 
 
-def _image_html(run: Run, images: dict[str, str]) -> str:
+def _image_html(run: RunRecord, images: dict[str, str]) -> str:
     info = run.record.get("prompt", {}).get("image")
     if not info:
         return ""
@@ -285,7 +285,7 @@ tr { page-break-inside: avoid; break-inside: avoid; }
 SCREEN_STYLE = "body { max-width: 60em; margin: 2em auto; }"
 
 
-def _plans(run: Run) -> tuple[Any, ...]:
+def _plans(run: RunRecord) -> tuple[Any, ...]:
     from ..core.controllability import LayerPlan
 
     plans = run.record.get("controllability", {}).get("plan", [])
@@ -293,7 +293,7 @@ def _plans(run: Run) -> tuple[Any, ...]:
                  for p in plans)
 
 
-def _controllability_html(run: Run) -> str:
+def _controllability_html(run: RunRecord) -> str:
     """The conditioning line and, per patched layer, its mixer, controls and what happened."""
     from ..core.controllability import conditioning_line, outcome
     from .panels.control_panel import param_list, run_cell
@@ -319,7 +319,7 @@ def _settings_table(settings: dict[str, Any]) -> str:
             f"{rows}</table>")
 
 
-def report_html(run: Run, images: dict[str, str], screen: bool = True) -> str:
+def report_html(run: RunRecord, images: dict[str, str], screen: bool = True) -> str:
     """The report's HTML; ``images`` maps each plot name (and the context image's thumbnail,
     `THUMBNAIL`) to its ``src`` (data URI or file); ``screen``: for a browser (the PDF's page
     has its own margins)."""
@@ -388,7 +388,7 @@ def _data_uri(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
-def write_report(run: Run, path: str | Path, plot_dir: str | Path | None = None) -> list[Path]:
+def write_report(run: RunRecord, path: str | Path, plot_dir: str | Path | None = None) -> list[Path]:
     """Write the report as HTML, or PDF when ``path`` ends in .pdf; with ``plot_dir``, also
     every plot as PNG and SVG there. Returns the files written (all writes are atomic)."""
     from ..core.export import atomic_write, write_text
@@ -426,7 +426,7 @@ def write_report(run: Run, path: str | Path, plot_dir: str | Path | None = None)
     return written
 
 
-def report_document(run: Run, images: dict[str, tuple[bytes, bytes]],
+def report_document(run: RunRecord, images: dict[str, tuple[bytes, bytes]],
                     thumb: bytes | None = None) -> Any:
     """The report as a QTextDocument, the plots (and the context image's thumbnail) as its
     image resources (for PDF and pages)."""
@@ -445,7 +445,7 @@ def report_document(run: Run, images: dict[str, tuple[bytes, bytes]],
     return doc
 
 
-def _write_pdf(run: Run, images: dict[str, tuple[bytes, bytes]], path: str,
+def _write_pdf(run: RunRecord, images: dict[str, tuple[bytes, bytes]], path: str,
                thumb: bytes | None = None) -> None:
     """Qt's own PDF writer renders the same HTML (QTextDocument), plots as image resources."""
     from PySide6.QtCore import QMarginsF

@@ -147,7 +147,7 @@ def _table(rows: list[list[Any]], header: list[str]) -> str:
 def write_reproduction(out: Path, model: str, records: dict[str, Any], rows: list[dict[str, Any]],
                        sweep: list[dict[str, Any]], dtypes: list[str], prompts: int) -> Path:
     from ..core.export import atomic_write, write_json, write_text
-    from ..core.records import run_from_record
+    from ..core.record import read_record
     from .report import _data_uri, plot_images
 
     plots = out / "plots"
@@ -161,7 +161,7 @@ def write_reproduction(out: Path, model: str, records: dict[str, Any], rows: lis
         for m in ex.METHODS:
             name = f"{d}-{m}-p1"
             if name in records:
-                images[f"figure3-{name}"] = plot_images(run_from_record(records[name]))["per-token"]
+                images[f"figure3-{name}"] = plot_images(read_record(records[name]))["per-token"]
     for name, (png, svg) in images.items():
         for ext, data in (("png", png), ("svg", svg)):
             atomic_write(plots / f"{name}.{ext}", lambda tmp, data=data: Path(tmp).write_bytes(data))

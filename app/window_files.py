@@ -20,7 +20,7 @@ from . import dialogs
 if TYPE_CHECKING:
     from PySide6.QtWidgets import QWidget
 
-    from ..core.records import Run
+    from ..core.record import RunRecord
     from .jobs import Job, RunStarted, SessionReady
     from .main_window import Banner
     from .panels.history_panel import QtHistoryPanel
@@ -91,7 +91,7 @@ class WindowFiles:
             return None
         if started.record is not None:
             return started.record  # a run reopened from a session
-        from ..core.runs import record_of
+        from ..core.record import record_of
         from ..core.spec import RunSpec
 
         return record_of(started.model, started.prompt, RunSpec.from_dict(started.settings),
@@ -186,7 +186,7 @@ class WindowFiles:
             return
         self._show(index, run)
 
-    def _show(self, index: int, run: Run) -> None:
+    def _show(self, index: int, run: RunRecord) -> None:
         from .report import fill_state
 
         with self._state.batch():  # the views redraw once, not once per step
@@ -284,7 +284,7 @@ class WindowFiles:
         self._session_opened(outcome)
 
     def apply_session(self, data: dict[str, Any], index: int | None = None,
-                      run: Run | None = None, source: str = "the session") -> None:
+                      run: RunRecord | None = None, source: str = "the session") -> None:
         """Show a session checked by `app.session.load_session`; ``run`` is its shown run
         (``index``), rebuilt before anything changes (`app.session.shown_run`) when not given.
 

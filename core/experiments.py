@@ -62,11 +62,11 @@ _RESOLVED = ("device", "control_row", "chat_template", "keep_patches")
 def _saved(path: Path, spec: Any) -> dict[str, Any] | None:
     """A finished run's record for ``spec``, or None when missing, unreadable, damaged or made
     with other options (another model, precision, token count, prompt...): it is then redone."""
-    from .records import run_from_record
+    from .record import read_record
 
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
-        run_from_record(record, str(path))
+        read_record(record, str(path))
     except (OSError, ValueError, UserError):
         return None
     settings = record.get("settings")

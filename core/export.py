@@ -20,11 +20,9 @@ import numpy as np
 
 from .errors import UserError
 from .images import ImageInfo
-from .prompt import Prompt
-from .results import StepResult, conditioning, summarize
+from .results import StepResult, conditioning
 from .spec import RunSpec
 
-SCHEMA_VERSION = 1
 PATCHES_FORMAT = "ctxpatch-patches/2"  # /2: float64 tensors for float64 runs, conditioning
 PATCHES_FORMATS = ("ctxpatch-patches/1", PATCHES_FORMAT)  # what `verify` reads
 
@@ -75,55 +73,6 @@ def _finite(x: Any) -> Any:
     if isinstance(x, list | tuple):
         return [_finite(v) for v in x]
     return x
-
-
-def step_to_dict(s: StepResult) -> dict[str, Any]:
-    return {
-        "step": s.step,
-        "position": s.position,
-        "baseline_token": {"id": s.baseline_token, "text": s.baseline_text},
-        "patched_token": {"id": s.patched.token, "text": s.patched.text},
-        "match": s.patched.match,
-        "linf": s.patched.linf,
-        "logit_scale": s.logit_scale,
-        "tvd": s.patched.tvd,
-        "control": {
-            "token": {"id": s.control.token, "text": s.control.text},
-            "match": s.control.match,
-            "linf": s.control.linf,
-            "tvd": s.control.tvd,
-        },
-        "top_k": {
-            "baseline": s.baseline_top_k.to_list(),
-            "patched": s.patched.top_k.to_list(),
-            "control": s.control.top_k.to_list(),
-        },
-        "patch_norms": {str(k): v for k, v in s.patch_norms.items()},
-        "layers": {str(k): v for k, v in s.layer_info.items()},
-        "reduced_input_ids": list(s.reduced_input_ids),
-        "reduced_position_ids": None if s.reduced_position_ids is None else list(s.reduced_position_ids),
-        "seconds": s.seconds,
-    }
-
-
-def run_record(
-    model: dict[str, Any],
-    prompt: Prompt,
-    settings: RunSpec,
-    steps: Sequence[StepResult],
-    extra_settings: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The run as a JSON-ready dict (schema ``SCHEMA_VERSION``)."""
-    return _finite(
-        {
-            "schema_version": SCHEMA_VERSION,
-            "settings": {**settings.to_dict(), **(extra_settings or {})},
-            "model": model,
-            "prompt": prompt.to_dict(),
-            "steps": [step_to_dict(s) for s in steps],
-            "summary": summarize(steps),
-        }
-    )
 
 
 def json_text(record: dict[str, Any]) -> str:

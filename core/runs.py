@@ -7,33 +7,18 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from .compare import iter_token_patches
-from .controllability import LayerPlan, record_section
+from .controllability import LayerPlan
 from .errors import UserError
-from .export import run_record
 from .loading import LoadedModel
 from .plan import RunPlan
 from .prompt import Prompt
+from .record import record_of
 from .results import StepResult, nan_max
 from .spec import RunSpec, check_request
-
-
-def record_of(model: dict[str, Any], prompt: Prompt, spec: RunSpec,
-              steps: Sequence[StepResult], plans: Sequence[LayerPlan] | None = None,
-              wall: float | None = None) -> dict[str, Any]:
-    """The run record (DESIGN.md "Run JSON"), the same from every front end: the options
-    resolved (``settings``: the spec, with the device the model ran on), the controllability
-    section when the plan is known, and the wall time when measured."""
-    resolved = replace(spec, device=str(model.get("device", spec.device)))
-    record = run_record(model, prompt, resolved, steps)
-    if plans is not None:
-        record["controllability"] = record_section(plans, steps)
-    if wall is not None:
-        record["summary"]["seconds"]["wall"] = wall
-    return record
 
 
 @dataclass

@@ -145,13 +145,13 @@ class Run:
         """The HTML report, or PDF when ``path`` ends in .pdf, with its plots beside it (drawn
         by the window's report writer: Qt is imported here, and only here)."""
         from .core.outputs import check_report
-        from .core.records import run_from_record
+        from .core.record import read_record
 
         self._check(path)
         plots = check_report(str(path))
         from .app.report import write_report
 
-        return write_report(run_from_record(self.record), path, plots)
+        return write_report(read_record(self.record), path, plots)
 
     def to_frame(self) -> Any:
         """One row per step (the CSV's columns) as a pandas DataFrame (pandas must be

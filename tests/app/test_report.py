@@ -84,7 +84,7 @@ def test_settings_are_a_readable_table_and_pages_keep_headings_with_what_follows
         plot_images,
         report_document,
     )
-    from ctxpatch.core.records import run_from_record
+    from ctxpatch.core.record import read_record
     from PySide6.QtCore import QSizeF
 
     record = _compare(tiny_model_dir, tmp_path, "r.html", "--max-new-tokens", "1")
@@ -100,7 +100,7 @@ def test_settings_are_a_readable_table_and_pages_keep_headings_with_what_follows
     assert f'width="{PLOT_SIZE[0]}"' in text and FIGURE_PT >= 10
     # the PDF's layout (Qt knows no keep-with-next): on a short page, some heading would end
     # a page without what follows it; after keep_with_next none does
-    run = run_from_record(record)
+    run = read_record(record)
     images = plot_images(run)
     doc = report_document(run, images)
     doc.setPageSize(QSizeF(679, 640))  # a short page: more page feet
@@ -114,11 +114,11 @@ def test_settings_are_a_readable_table_and_pages_keep_headings_with_what_follows
 def test_figures_are_drawn_at_their_shown_size(qtbot: Any, tiny_model_dir: str,
                                                tmp_path: Path) -> None:
     from ctxpatch.app.report import PLOT_SIZE, PNG_SCALE, plot_images
-    from ctxpatch.core.records import run_from_record
+    from ctxpatch.core.record import read_record
     from PySide6.QtGui import QImage
 
     record = _compare(tiny_model_dir, tmp_path, "r.html")
-    png, _ = plot_images(run_from_record(record))["per-token"]
+    png, _ = plot_images(read_record(record))["per-token"]
     image = QImage.fromData(png, "PNG")
     assert image.width() == round(PLOT_SIZE[0] * PNG_SCALE)
     from ctxpatch.app import report

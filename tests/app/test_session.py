@@ -274,9 +274,9 @@ def test_replaying_a_long_run_redraws_once() -> None:
     """The cause of minutes-long opening: every step of a reopened run redrew every view."""
     from ctxpatch.app.report import fill_state
     from ctxpatch.app.state import RunState
-    from ctxpatch.core.records import run_from_record
+    from ctxpatch.core.record import read_record
 
-    run = run_from_record(_fixture()["run"])
+    run = read_record(_fixture()["run"])
     long = type(run)(run.settings, run.model, run.prompt, run.steps * 3000, run.record)
     state, events = RunState(), []
     state.subscribe(events.append)

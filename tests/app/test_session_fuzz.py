@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from ctxpatch.app.main_window import MainWindow
 from ctxpatch.app.session import SessionError, autosave_path, load_session, shown_run
-from ctxpatch.core.records import run_from_record
+from ctxpatch.core.record import read_record
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -84,7 +84,7 @@ def test_reading_any_file_is_a_session_or_one_line(tmp_path_factory: Any, conten
         assert str(exc).startswith(f"the session {path} is ")
     else:  # accepted: every run rebuilds (the schema covers all that `run_from_record` reads)
         for record in data["runs"]:
-            run_from_record(record)
+            read_record(record)
         index, run = shown_run(data, path)
         assert (index is None) == (run is None) == (not data["runs"])
     assert path.read_bytes() == content

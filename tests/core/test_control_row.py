@@ -16,8 +16,8 @@ import torch
 from ctxpatch.core import engine, patches
 from ctxpatch.core.adapters import REGISTRY
 from ctxpatch.core.compare import RunSpec, iter_token_patches
-from ctxpatch.core.plan import batched_control
 from ctxpatch.core.forward import attention_only
+from ctxpatch.core.plan import batched_control
 from ctxpatch.core.prompt import build_prompt
 from tiny import TINY, gemma3_config, tiny_config, tiny_loaded
 from tiny_hybrid import ALL_LAYERS_ONLY

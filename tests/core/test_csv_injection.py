@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from ctxpatch.core.export import CSV_COLUMNS, csv_text, steps_csv
-from ctxpatch.core.records import run_from_record
+from ctxpatch.core.record import read_record
 
 RUN = Path(__file__).parents[1] / "app" / "fixtures" / "session_v0.json"
 TEXT_COLUMNS = ("baseline_text", "patched_text", "control_text")
@@ -19,7 +19,7 @@ NUMBER_COLUMNS = ("linf", "tvd", "control_linf", "control_tvd")
 
 
 def _steps(text: str, linf: float = -1.5e-3) -> tuple:
-    steps = run_from_record(json.loads(RUN.read_text())["run"]).steps
+    steps = read_record(json.loads(RUN.read_text())["run"]).steps
     return tuple(replace(s, baseline_text=text,
                          patched=replace(s.patched, text=text, linf=linf),
                          control=replace(s.control, text=text, linf=-2.0))

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from ctxpatch.core.compare import RunSpec, iter_token_patches
 from ctxpatch.core.errors import UserError
-from ctxpatch.core.export import run_record
 from ctxpatch.core.prompt import build_prompt
-from ctxpatch.core.records import run_from_record
+from ctxpatch.core.record import read_record, record_of
 from tiny import gemma3_config, tiny_loaded
 
 
@@ -19,13 +19,14 @@ def record():  # type: ignore[no-untyped-def]
     prompt = build_prompt(loaded.tokenizer, "The quick brown fox.", "Hello world!")
     settings = RunSpec(max_new_tokens=4)
     steps = list(iter_token_patches(loaded, prompt, settings))
-    rec = run_record(loaded.describe(), prompt, settings, steps, {"context": "The quick brown fox."})
+    rec = record_of(loaded.describe(), prompt, replace(settings, context="The quick brown fox."),
+                    steps)
     return json.loads(json.dumps(rec)), steps, prompt
 
 
 def test_a_record_reads_back_as_the_same_run(record) -> None:  # type: ignore[no-untyped-def]
     rec, steps, prompt = record
-    run = run_from_record(rec)
+    run = read_record(rec)
     assert run.prompt == prompt and run.settings["context"] == "The quick brown fox."
     assert len(run.steps) == len(steps)
     for a, b in zip(run.steps, steps, strict=True):
@@ -46,4 +47,4 @@ def test_a_record_reads_back_as_the_same_run(record) -> None:  # type: ignore[no
 ])
 def test_damaged_records_are_one_clear_error(record, damage, message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(UserError, match=message):
-        run_from_record(damage(record[0]), "run.json")
+        read_record(damage(record[0]), "run.json")
