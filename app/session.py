@@ -24,16 +24,7 @@ from pydantic import Field, TypeAdapter, ValidationError
 from typing_extensions import NotRequired, TypedDict  # pydantic needs this TypedDict before 3.12
 
 from ..core.errors import UserError
-from ..core.options import (
-    Absorb,
-    DeviceMap,
-    Dtype,
-    Method,
-    OnFault,
-    OutputControl,
-    PatchKind,
-    Scope,
-)
+from ..core.options import DeviceMap, PatchKind
 from ..core.record import _STRICT, Int32, _Run, first_problem, record_schema
 
 if TYPE_CHECKING:
@@ -77,23 +68,26 @@ class _Inputs(TypedDict, total=False):  # QtInputPanel.save()
     image: str | None
 
 
-class _Options(TypedDict, total=False):  # QtModelPanel.save()
-    __pydantic_config__ = _STRICT  # type: ignore[misc]
-    model: str | None
-    recent: list[str]
-    dtype: Dtype | None
-    device: str | None  # DEVICES, or cuda:N
-    method: Method | None
-    absorb: Absorb | None
-    scope: Scope | None
-    layers: str | None
-    output_control: OutputControl | None
-    disabled: list[PatchKind]
-    disable: list[PatchKind]
-    on_fault: OnFault
-    device_map: Literal["one device", DeviceMap] | None  # the panel's Placement
-    max_memory: str | list[str] | None
-    offload_folder: str | None
+def _options() -> Any:
+    """The model panel's saved options (`QtModelPanel.save`): its `core.spec.RunSpec` fields
+    with their types (null allowed where the panel may leave one empty), and the panel's own:
+    the recent models, its placement ("one device" or a device map), max memory as typed."""
+    from ..core.spec import json_types
+
+    types = json_types()
+    fields: dict[str, Any] = {name: NotRequired[types[name] | None]  # type: ignore[valid-type]
+                              for name in ("model", "dtype", "device", "method", "absorb",
+                                           "scope", "layers", "output_control",
+                                           "offload_folder")}
+    fields.update(disabled=NotRequired[types["disabled"]],
+                  on_fault=NotRequired[types["on_fault"]],
+                  disable=NotRequired[list[PatchKind]],  # (what 0.1 wrote for disabled)
+                  recent=NotRequired[list[str]],
+                  device_map=NotRequired[Literal["one device", DeviceMap] | None],
+                  max_memory=NotRequired[str | list[str] | None])
+    schema = TypedDict("_Options", fields)  # type: ignore[operator]
+    schema.__pydantic_config__ = _STRICT  # type: ignore[attr-defined]
+    return schema
 
 
 class Session(TypedDict):
@@ -104,7 +98,7 @@ class Session(TypedDict):
     schema_version: Literal[1]
     saved: NotRequired[str | None]
     inputs: NotRequired[_Inputs]
-    options: NotRequired[_Options]
+    options: NotRequired[Any]  # `_options()`, set in `_check`
     runs: Annotated[list[_Run], Field(max_length=MAX_RUNS)]
     current: NotRequired[int | None]
 
@@ -118,6 +112,7 @@ def _check(data: dict[str, Any]) -> None:
     cls = spec._current()
     if cls not in _CHECK:
         record_schema()  # (its settings from the current RunSpec)
+        Session.__annotations__["options"] = NotRequired[_options()]
         _CHECK.clear()
         _CHECK[cls] = TypeAdapter(Session)
     _CHECK[cls].validate_python(data)
