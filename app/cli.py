@@ -264,7 +264,8 @@ def run_compare(args: argparse.Namespace) -> int:
         print(f"baseline (with context):   {baseline!r}")
         print(f"patched (without context): {patched!r}")
         control = ("control: off" if c is None else
-                   f"control: match {c['matches']}/{summary['tokens']}  max L-inf {c['max_linf']:.3g}")
+                   f"control: match {c['matches']}/{summary['tokens']}  "
+                   f"max L-inf {c['max_linf']:.3g}")
         print(f"token match {p['matches']}/{summary['tokens']}  max L-inf {p['max_linf']:.3g}  "
               f"mean TVD {p['mean_tvd']:.3g}  |  {control}  |  {elapsed:.1f} s")
     return 0

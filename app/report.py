@@ -165,7 +165,8 @@ def _tokens(run: RunRecord, side: str) -> str:
     spans = []
     for s in run.steps:
         text = s.baseline_text if side == "baseline" else s.patched.text
-        style = f" style=\"background-color:{COLORS['mismatch'][0]}\"" if not s.patched.match else ""
+        style = (f" style=\"background-color:{COLORS['mismatch'][0]}\""
+                 if not s.patched.match else "")
         spans.append(f"<span{style}>{token_html(text)}</span>")
     return "".join(spans)
 
@@ -203,7 +204,8 @@ def _image_html(run: RunRecord, images: dict[str, str]) -> str:
     info = run.record.get("prompt", {}).get("image")
     if not info:
         return ""
-    caption = (f"Context image: {Path(info['path']).name}, {info.get('width')}x{info.get('height')} "
+    caption = (f"Context image: {Path(info['path']).name}, "
+               f"{info.get('width')}x{info.get('height')} "
                f"{info.get('format')}, sha256 {str(info.get('sha256'))[:16]}…")
     if THUMBNAIL not in images:
         return f"<p>{_esc(caption)} (the file is no longer at {_esc(info['path'])})</p>"
@@ -388,7 +390,8 @@ def _data_uri(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
-def write_report(run: RunRecord, path: str | Path, plot_dir: str | Path | None = None) -> list[Path]:
+def write_report(run: RunRecord, path: str | Path,
+                 plot_dir: str | Path | None = None) -> list[Path]:
     """Write the report as HTML, or PDF when ``path`` ends in .pdf; with ``plot_dir``, also
     every plot as PNG and SVG there. Returns the files written (all writes are atomic)."""
     from ..core.export import atomic_write, write_text

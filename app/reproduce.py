@@ -39,7 +39,8 @@ def _figure4(rows: list[dict[str, Any]], records: dict[str, Any], prompts: int) 
         med = float(np.median(tvd)) if len(tvd) else math.nan
         tvd_plot.plot([i - 0.3, i + 0.3], [med, med], pen=pg.mkPen((200, 40, 40), width=3))
     match_plot = graphics.addPlot(row=0, col=1, title="token match rate")
-    match_plot.addItem(pg.BarGraphItem(x=list(range(len(rows))), height=[r["match_rate"] for r in rows],
+    match_plot.addItem(pg.BarGraphItem(x=list(range(len(rows))),
+                                       height=[r["match_rate"] for r in rows],
                                        width=0.6, brush=(40, 110, 220)))
     match_plot.setYRange(0, 1.05)
     for plot in (tvd_plot, match_plot):
@@ -164,7 +165,8 @@ def write_reproduction(out: Path, model: str, records: dict[str, Any], rows: lis
                 images[f"figure3-{name}"] = plot_images(read_record(records[name]))["per-token"]
     for name, (png, svg) in images.items():
         for ext, data in (("png", png), ("svg", svg)):
-            atomic_write(plots / f"{name}.{ext}", lambda tmp, data=data: Path(tmp).write_bytes(data))
+            atomic_write(plots / f"{name}.{ext}",
+                         lambda tmp, data=data: Path(tmp).write_bytes(data))
     write_json(out / "summary.json", {"model": model, "summary": rows, "sweep": sweep})
     summary = _table([[r["dtype"], r["method"], f"{r['match_rate']:.1%}",
                        "/".join(map(str, r["per_prompt_matches"])), r["median_tvd"], r["mean_tvd"],

@@ -27,7 +27,8 @@ MARS = ("Write a single-sentence weather forecast for Mars, from the perspective
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("variants", help='JSON: name -> compare settings, e.g. {"b": {"control_row": "batched"}}')
+    ap.add_argument("variants",
+                    help='JSON: name -> compare settings, e.g. {"b": {"control_row": "batched"}}')
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--model", default="demo")
     ap.add_argument("--repeats", type=int, default=3)
@@ -61,7 +62,8 @@ def main() -> None:
             times[name].append(time.perf_counter() - t)
     base = min(times["generate"])
     for name, values in times.items():
-        print(f"{args.dtype} {name}: min {min(values):.2f} s, median {statistics.median(values):.2f} s,"
+        print(f"{args.dtype} {name}: min {min(values):.2f} s, "
+              f"median {statistics.median(values):.2f} s,"
               f" ratio {min(values) / base:.2f}", flush=True)
     first, *others = variants
     for name in others:  # (each round's own ratio: a drifting machine slows both alike)

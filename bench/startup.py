@@ -46,7 +46,8 @@ def main() -> None:
                              text=True, check=True).stdout.split()
         walls.append(time.perf_counter() - t)
         inner.append(float(out[0]))
-        heavy = [name for name, flag in zip(("torch", "transformers"), out[1:3]) if flag == "1"]
+        heavy = [name for name, flag in zip(("torch", "transformers"), out[1:3], strict=True)
+                 if flag == "1"]
     if os.path.exists(ini):
         os.remove(ini)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "

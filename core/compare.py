@@ -97,7 +97,8 @@ class _Host:
 
 
 def _decode(tokenizer: Any, token: int) -> str:
-    return str(tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False))
+    return str(tokenizer.decode([token], skip_special_tokens=False,
+                                clean_up_tokenization_spaces=False))
 
 
 def _queue_top_k(host: _Host, probs: torch.Tensor, k: int) -> tuple[Any, Any]:

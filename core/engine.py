@@ -158,7 +158,8 @@ def _hook_scope() -> Iterator[Callable[[Any], None]]:
             h.remove()
 
 
-def _stop_hooks(add: Callable[[Any], None], layers: nn.ModuleList, should_stop: StopFn | None) -> None:
+def _stop_hooks(add: Callable[[Any], None], layers: nn.ModuleList,
+                should_stop: StopFn | None) -> None:
     if should_stop is None:
         return
 

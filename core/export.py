@@ -126,7 +126,8 @@ def patch_step_meta(s: StepResult) -> dict[str, Any]:
     return {
         "full_input_ids": list(s.full_input_ids),
         "reduced_input_ids": list(s.reduced_input_ids),
-        "reduced_position_ids": None if s.reduced_position_ids is None else list(s.reduced_position_ids),
+        "reduced_position_ids": (None if s.reduced_position_ids is None
+                                 else list(s.reduced_position_ids)),
     }
 
 

@@ -197,7 +197,8 @@ def plan_patching(loaded: LoadedModel, spec: RunSpec
     model, adapter = loaded.model, loaded.adapter
     layers = adapter.layers(model)
     sites = {i: adapter.sites(layers[i]) for i in parse_layers(spec.layers, len(layers))}
-    if control == "bias" and any(getattr(s.out_matrix, "bias", None) is None for s in sites.values()):
+    if control == "bias" and any(getattr(s.out_matrix, "bias", None) is None
+                                 for s in sites.values()):
         raise UserError(f"this {adapter.family} model's output matrix has no bias: "
                         "use the output control 'matrix'")
     dtype = compute_dtype(loaded.dtype)

@@ -64,7 +64,8 @@ class Prompt:
 
     def to_dict(self) -> dict[str, Any]:
         out = {
-            "segments": [{"kind": s.kind, "text": s.text, "ids": list(s.ids)} for s in self.segments],
+            "segments": [{"kind": s.kind, "text": s.text, "ids": list(s.ids)}
+                         for s in self.segments],
             "full_input_ids": list(self.full_ids),
             "reduced_input_ids": list(self.reduced_prompt_ids),
             "bos_id": self.bos_id,

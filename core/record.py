@@ -97,7 +97,8 @@ def step_to_dict(s: StepResult) -> dict[str, Any]:
         "patch_norms": {str(k): v for k, v in s.patch_norms.items()},
         "layers": {str(k): v for k, v in s.layer_info.items()},
         "reduced_input_ids": list(s.reduced_input_ids),
-        "reduced_position_ids": None if s.reduced_position_ids is None else list(s.reduced_position_ids),
+        "reduced_position_ids": (None if s.reduced_position_ids is None
+                                 else list(s.reduced_position_ids)),
         "seconds": s.seconds,
     }
 

@@ -46,7 +46,8 @@ class TopK:
     probs: tuple[float, ...]
 
     def to_list(self) -> list[dict[str, Any]]:
-        return [{"id": i, "text": t, "prob": p} for i, t, p in zip(self.ids, self.texts, self.probs, strict=True)]
+        return [{"id": i, "text": t, "prob": p}
+                for i, t, p in zip(self.ids, self.texts, self.probs, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,8 @@ def conditioning(steps: Sequence[StepResult]) -> dict[str, Any]:
 def summarize(steps: Sequence[StepResult]) -> dict[str, Any]:
     """Pooled metrics over a run: match rate, max and median of each, for patched and control."""
     out: dict[str, Any] = {"tokens": len(steps)}
-    for label, sides in (("patched", [s.patched for s in steps]), ("control", [s.control for s in steps])):
+    for label, sides in (("patched", [s.patched for s in steps]),
+                         ("control", [s.control for s in steps])):
         if label == "control" and steps and all(x.token == NO_CONTROL.token for x in sides):
             out["control"] = None  # a run made without the control
             continue

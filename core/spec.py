@@ -358,7 +358,8 @@ def parse_layers(spec: str, n: int | None) -> list[int]:
                 hi = int(hi_s) if hi_s.strip() else n
                 lo, hi = (lo + n if lo < 0 else lo), (hi + n if hi < 0 else hi)
                 if not (0 <= lo < n and 0 < hi <= n):
-                    raise UserError(f"layers {spec!r} out of range: the model has layers 0..{n - 1}")
+                    raise UserError(f"layers {spec!r} out of range: "
+                                    f"the model has layers 0..{n - 1}")
                 chosen.update(range(lo, hi))
             else:
                 i = int(part)

@@ -70,7 +70,8 @@ def read_patches(path: str | Path) -> PatchFile:
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise UserError(f"cannot read patches file {path}: {str(exc).splitlines()[0]}") from None
     if metadata.get("format") not in PATCHES_FORMATS:
-        raise UserError(f"{path} is not a ctxpatch patches file (format {metadata.get('format')!r})")
+        raise UserError(f"{path} is not a ctxpatch patches file "
+                        f"(format {metadata.get('format')!r})")
     try:
         steps = json.loads(metadata["steps"])
     except (KeyError, json.JSONDecodeError):
@@ -177,7 +178,8 @@ def patches_of_steps(steps: Sequence[Any], scope: str) -> PatchFile:
 
 
 @contextmanager
-def materialized(model: torch.nn.Module, patches: dict[tuple[str, int | None], dict[str, torch.Tensor]]
+def materialized(model: torch.nn.Module,
+                 patches: dict[tuple[str, int | None], dict[str, torch.Tensor]]
                  ) -> Iterator[None]:
     """Write patches into the model's parameters; restore the originals in ``finally``."""
     params = dict(model.named_parameters())

@@ -15,9 +15,9 @@ Options are the fields of `ctxpatch.core.spec.RunSpec`, the command line's long 
 underscores (``max_new_tokens``, ``method``, ``absorb``, ``scope``, ``layers``,
 ``output_control``, ``disabled``, ``top_k``, ``on_fault``, ...), with the same defaults and the
 same checks: a bad option raises `OptionError` (a `ValueError`) with a one-line message, before
-any work. This package never imports the window (``ctxpatch.app``) except to draw a report. ``progress`` is called with each finished
-step; ``cancel`` (a ``threading.Event`` or a function returning True) stops the run between
-layers and tokens, as the window's Esc does.
+any work. This package never imports the window (``ctxpatch.app``) except to draw a report.
+``progress`` is called with each finished step; ``cancel`` (a ``threading.Event`` or a function
+returning True) stops the run between layers and tokens, as the window's Esc does.
 """
 
 from __future__ import annotations

@@ -158,7 +158,8 @@ class QtModelPanel(QGroupBox):
 
     def trust_flags(self) -> dict[str, bool]:
         """Per load, never saved: trusting code or pickles is a decision for each model."""
-        return {"trust_remote_code": self.trust.isChecked(), "allow_pickle": self.pickle.isChecked()}
+        return {"trust_remote_code": self.trust.isChecked(),
+                "allow_pickle": self.pickle.isChecked()}
 
     def _on_model_edited(self, *_: Any) -> None:
         from ...core.footprint import estimate

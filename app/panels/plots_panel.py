@@ -331,7 +331,8 @@ class QtPlotsPanel(QWidget):
         if not runs or not self.state.steps:
             self.comparison.hide()
             return
-        shown = (shown_label, {m: self.state.series("patched", m) for m in ("linf", "tvd", "match")})
+        shown = (shown_label,
+                 {m: self.state.series("patched", m) for m in ("linf", "tvd", "match")})
         rows = []
         for label, series in [shown, *runs]:
             n = len(series["match"])

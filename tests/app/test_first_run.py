@@ -27,7 +27,8 @@ def test_a_fresh_profile_runs_on_the_first_click(qtbot, keep, settings, tiny_mod
     assert not w.banner.isVisible()
 
 
-def test_the_user_s_last_inputs_win_over_the_defaults(qtbot, keep, settings, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+def test_the_user_s_last_inputs_win_over_the_defaults(qtbot, keep, settings,  # type: ignore[no-untyped-def]
+                                                      tiny_model_dir) -> None:
     w = _fresh(keep, settings, tiny_model_dir)
     w.input_panel.query.setPlainText("Where?")
     w.input_panel.context.setPlainText("Alice lives in Paris.")

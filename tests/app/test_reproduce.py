@@ -18,7 +18,8 @@ def test_reproduce_runs_the_grid_and_resumes(qtbot: Any, tiny_model_dir: str, tm
     assert main(argv) == 0
     runs = sorted(p.stem for p in (tmp_path / "runs").glob("*.json"))
     assert runs == sorted([f"{d}-{m}-p{p}" for d in ("float32", "bfloat16")
-                           for m in ("direct", "stable") for p in (1, 2)] + ["sweep-s0", "sweep-s3"])
+                           for m in ("direct", "stable") for p in (1, 2)]
+                          + ["sweep-s0", "sweep-s3"])
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [(r["dtype"], r["method"]) for r in summary["summary"]] == [
         ("float32", "direct"), ("float32", "stable"), ("bfloat16", "direct"),

@@ -33,7 +33,8 @@ def test_screenshot_of_a_failing_run_exits_2_with_one_line(
     assert not png.exists()
 
 
-def test_screenshot_to_an_unwritable_place_fails_before_any_work(tmp_path: Any, capsys: Any) -> None:
+def test_screenshot_to_an_unwritable_place_fails_before_any_work(tmp_path: Any,
+                                                                 capsys: Any) -> None:
     code = main(["--screenshot", str(tmp_path / "no" / "shot.png"), "--query", "q"])
     assert code == 2
     assert "does not exist" in capsys.readouterr().err

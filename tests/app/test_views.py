@@ -103,7 +103,8 @@ def test_dark_palette_follows(window: MainWindow, qtbot: Any) -> None:
     from PySide6.QtGui import QColor, QPalette
 
     dark = QPalette()
-    for role, colour in ((QPalette.ColorRole.Window, "#202020"), (QPalette.ColorRole.Base, "#181818"),
+    for role, colour in ((QPalette.ColorRole.Window, "#202020"),
+                         (QPalette.ColorRole.Base, "#181818"),
                          (QPalette.ColorRole.Text, "#e0e0e0"),
                          (QPalette.ColorRole.WindowText, "#e0e0e0")):
         dark.setColor(role, QColor(colour))

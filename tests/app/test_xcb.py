@@ -27,7 +27,8 @@ def test_missing_libraries_are_read_from_ldd() -> None:
     assert missing[:2] == ["libxcb-icccm.so.4", "libxcb-keysyms.so.1"]
 
 
-def test_missing_libraries_are_one_line_with_the_apt_command(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_libraries_are_one_line_with_the_apt_command(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.setenv("QT_QPA_PLATFORM", "xcb")
     monkeypatch.setattr(gui, "missing_xcb_libraries",
@@ -65,7 +66,8 @@ def test_the_window_opens_under_xvfb_with_xcb(tmp_path: Path, tiny_model_dir: st
         display = os.read(read, 16).decode().strip()
         assert display, "Xvfb gave no display number"
         env = {**os.environ, "QT_QPA_PLATFORM": "xcb", "DISPLAY": f":{display}",
-               "XDG_CONFIG_HOME": str(tmp_path / "config"), "XDG_STATE_HOME": str(tmp_path / "state")}
+               "XDG_CONFIG_HOME": str(tmp_path / "config"),
+               "XDG_STATE_HOME": str(tmp_path / "state")}
         shot = tmp_path / "window.png"
         out = subprocess.run([sys.executable, "-m", "ctxpatch", "--screenshot", str(shot),
                               "--model", tiny_model_dir, "--max-new-tokens", "2"],

@@ -95,7 +95,8 @@ def test_cancel_stops_between_tokens(folder: Path) -> None:
     ({"json": "x.json"}, "Run.to_json"),
     ({"query": ""}, "the query is empty"),
 ])
-def test_bad_options_raise_the_command_line_s_error(folder: Path, options: dict, words: str) -> None:  # type: ignore[type-arg]
+def test_bad_options_raise_the_command_line_s_error(folder: Path, options: dict,  # type: ignore[type-arg]
+                                                    words: str) -> None:
     with pytest.raises(ctxpatch.OptionError, match=words) as exc:
         ctxpatch.compare(str(folder), **{**CASE, **options})
     assert isinstance(exc.value, ValueError) and "\n" not in str(exc.value)

@@ -35,12 +35,14 @@ def _err(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
 
 
 def test_unknown_model_id(capsys: pytest.CaptureFixture[str]) -> None:
-    line = _err(capsys, ["compare", "--model", "nobody/no-such-model-xyz", "--context", "c", "--query", "hi"])
+    line = _err(capsys, ["compare", "--model", "nobody/no-such-model-xyz", "--context", "c",
+                         "--query", "hi"])
     assert "not found" in line
 
 
 def test_missing_folder(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    line = _err(capsys, ["compare", "--model", str(tmp_path / "missing"), "--context", "c", "--query", "hi"])
+    line = _err(capsys, ["compare", "--model", str(tmp_path / "missing"), "--context", "c",
+                         "--query", "hi"])
     assert "no such folder" in line
 
 
@@ -50,8 +52,8 @@ def test_folder_without_config(capsys: pytest.CaptureFixture[str], tmp_path: Pat
 
 
 @pytest.mark.parametrize("kind", ["encoder-only", "state-space"])
-def test_unsupported_architecture_names_supported(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                                  kind: str) -> None:
+def test_unsupported_architecture_names_supported(capsys: pytest.CaptureFixture[str],
+                                                  tmp_path: Path, kind: str) -> None:
     from transformers import BertConfig, MambaConfig
 
     if kind == "encoder-only":
@@ -66,8 +68,10 @@ def test_unsupported_architecture_names_supported(capsys: pytest.CaptureFixture[
         assert family in line
 
 
-def test_empty_query_with_absorb_context(capsys: pytest.CaptureFixture[str], tiny_folder: Path) -> None:
-    line = _err(capsys, ["compare", "--model", str(tiny_folder), "--context", "The fox.", "--query", ""])
+def test_empty_query_with_absorb_context(capsys: pytest.CaptureFixture[str],
+                                         tiny_folder: Path) -> None:
+    line = _err(capsys, ["compare", "--model", str(tiny_folder), "--context", "The fox.",
+                         "--query", ""])
     assert "query is empty" in line
 
 
@@ -92,28 +96,33 @@ def test_unreadable_patches_file(capsys: pytest.CaptureFixture[str], tmp_path: P
     assert "no such patches file" in line
 
 
-def test_unwritable_output(capsys: pytest.CaptureFixture[str], tiny_folder: Path, tmp_path: Path) -> None:
-    line = _err(capsys, ["compare", "--model", str(tiny_folder), "--absorb", "all", "--query", "The fox.",
-                         "--max-new-tokens", "1", "--json", str(tmp_path / "nope" / "run.json")])
+def test_unwritable_output(capsys: pytest.CaptureFixture[str], tiny_folder: Path,
+                           tmp_path: Path) -> None:
+    line = _err(capsys, ["compare", "--model", str(tiny_folder), "--absorb", "all",
+                         "--query", "The fox.", "--max-new-tokens", "1",
+                         "--json", str(tmp_path / "nope" / "run.json")])
     assert "cannot write" in line
 
 
-def test_compare_and_verify_end_to_end(capsys: pytest.CaptureFixture[str], tiny_folder: Path, tmp_path: Path) -> None:
+def test_compare_and_verify_end_to_end(capsys: pytest.CaptureFixture[str], tiny_folder: Path,
+                                       tmp_path: Path) -> None:
     out, patches = tmp_path / "run.json", tmp_path / "p.safetensors"
-    code = main(["compare", "--model", str(tiny_folder), "--dtype", "float64", "--context", "The quick brown fox.",
-                 "--query", "Hello world!", "--max-new-tokens", "3", "--json", str(out),
+    code = main(["compare", "--model", str(tiny_folder), "--dtype", "float64",
+                 "--context", "The quick brown fox.", "--query", "Hello world!",
+                 "--max-new-tokens", "3", "--json", str(out),
                  "--save-patches", str(patches), "--csv", str(tmp_path / "s.csv"), "--quiet"])
     assert code == 0
     run = json.loads(out.read_text())
     assert run["schema_version"] == 1
     assert run["settings"]["absorb"] == "context" and run["settings"]["dtype"] == "float64"
     assert len(run["steps"]) == 3 and all(s["match"] for s in run["steps"])
-    assert set(run["steps"][0]) >= {"baseline_token", "patched_token", "match", "linf", "tvd", "control",
-                                    "top_k", "patch_norms"}
+    assert set(run["steps"][0]) >= {"baseline_token", "patched_token", "match", "linf", "tvd",
+                                    "control", "top_k", "patch_norms"}
     norms = run["steps"][0]["patch_norms"]["0"]
     assert "model.layers.0.mlp.gate_proj.weight" in norms
     assert "model.layers.0.post_feedforward_layernorm.weight" in norms
-    assert run["prompt"]["reduced_input_ids"] == [i for s in run["prompt"]["segments"] if s["kind"] != "context" for i in s["ids"]]
+    assert run["prompt"]["reduced_input_ids"] == [i for s in run["prompt"]["segments"]
+                                                  if s["kind"] != "context" for i in s["ids"]]
     capsys.readouterr()
     assert main(["verify", str(patches), "--model", str(tiny_folder)]) == 0
     assert capsys.readouterr().out.startswith("verified: 3/3 tokens match")
@@ -135,12 +144,14 @@ def test_cli_start_does_not_import_torch() -> None:
 
 
 def test_compare_reports_controllability_and_a_frozen_output(capsys: pytest.CaptureFixture[str],
-                                                              tiny_folder: Path, tmp_path: Path) -> None:
+                                                              tiny_folder: Path,
+                                                              tmp_path: Path) -> None:
     import json
 
     out = tmp_path / "run.json"
-    code = main(["compare", "--model", str(tiny_folder), "--context", "The fox.", "--query", "Hello",
-                 "--max-new-tokens", "3", "--disable", "output", "--json", str(out)])
+    code = main(["compare", "--model", str(tiny_folder), "--context", "The fox.",
+                 "--query", "Hello", "--max-new-tokens", "3", "--disable", "output",
+                 "--json", str(out)])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "output none (frozen)" in captured.err and "conditions:" in captured.err

@@ -187,11 +187,13 @@ def test_verify_refuses_patches_for_an_unlisted_step(capsys, patches: Path, fold
     import numpy as np
 
     bad = _rewrite(patches, tmp_path / "b.safetensors",
-                   extra={"step.99.model.layers.0.mlp.up_proj.weight.delta": np.zeros(3, np.float32)})
+                   extra={"step.99.model.layers.0.mlp.up_proj.weight.delta":
+                          np.zeros(3, np.float32)})
     assert "step 99" in _err(capsys, ["verify", str(bad), "--model", str(folder)])
 
 
-def test_verify_refuses_an_empty_step_list(capsys, patches: Path, folder: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_verify_refuses_an_empty_step_list(capsys, patches: Path, folder: Path,  # type: ignore[no-untyped-def]
+                                           tmp_path: Path) -> None:
     from safetensors import safe_open
     from safetensors.numpy import save_file
 
@@ -206,12 +208,14 @@ def test_verify_refuses_an_empty_step_list(capsys, patches: Path, folder: Path, 
                                        "--model", str(folder)])
 
 
-def test_verify_refuses_infinite_entries(capsys, patches: Path, folder: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_verify_refuses_infinite_entries(capsys, patches: Path, folder: Path,  # type: ignore[no-untyped-def]
+                                         tmp_path: Path) -> None:
     bad = _rewrite(patches, tmp_path / "i.safetensors", scale=float("inf"))
     assert "infinite" in _err(capsys, ["verify", str(bad), "--model", str(folder)])
 
 
-def test_verify_refuses_a_lone_u_vector(capsys, patches: Path, folder: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_verify_refuses_a_lone_u_vector(capsys, patches: Path, folder: Path,  # type: ignore[no-untyped-def]
+                                        tmp_path: Path) -> None:
     from safetensors.numpy import load_file
 
     v = next(k for k in load_file(str(patches)) if k.endswith(".v"))
@@ -237,7 +241,8 @@ def test_verify_refuses_a_patch_of_the_wrong_shape(capsys, patches: Path, tmp_pa
     from tiny import tiny_loaded
     from transformers import LlamaConfig
 
-    tiny_loaded(LlamaConfig(**config), dtype=__import__("torch").float32).model.save_pretrained(other)
+    tiny_loaded(LlamaConfig(**config),
+                dtype=__import__("torch").float32).model.save_pretrained(other)
     assert "shape" in _err(capsys, ["verify", str(patches), "--model", str(other)])
 
 
@@ -277,7 +282,8 @@ def test_layers_syntax_message_has_no_placeholder_range(capsys, folder: Path) ->
     assert "999" not in line and "malformed layers" in line
 
 
-def test_reproduce_refuses_a_bad_sweep_and_an_out_file_before_any_run(capsys, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_reproduce_refuses_a_bad_sweep_and_an_out_file_before_any_run(capsys,  # type: ignore[no-untyped-def]
+                                                                      tmp_path: Path) -> None:
     line = _err(capsys, ["reproduce", "--out", str(tmp_path / "r"), "--sweep", "a,b"])
     assert "--sweep" in line and not (tmp_path / "r").exists()
     (tmp_path / "file").write_text("mine")

@@ -23,7 +23,8 @@ def test_plan_names_each_family_s_controls() -> None:
     gemma = tiny_loaded(gemma3_config(layers=4))
     p = plan(gemma, RunSpec(method="stable"))
     assert [x.layer for x in p] == [0, 1, 2, 3]
-    assert p[2].inputs == ("model.layers.2.mlp.gate_proj.weight", "model.layers.2.mlp.up_proj.weight")
+    assert p[2].inputs == ("model.layers.2.mlp.gate_proj.weight",
+                           "model.layers.2.mlp.up_proj.weight")
     assert p[2].outputs == ("model.layers.2.mlp.down_proj.weight",
                             "model.layers.2.post_feedforward_layernorm.weight")
     gpt2 = plan(tiny_loaded(tiny_config("gpt2")), RunSpec())

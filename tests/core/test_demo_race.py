@@ -27,7 +27,7 @@ def test_two_processes_convert_the_demo_once(tmp_path: Path) -> None:
     procs = [subprocess.Popen([sys.executable, "-c", SCRIPT], cwd=root, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
     outs = [p.communicate(timeout=1200) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-2000:]
         assert "folder" in out
     conversions = sum(out.count("Dequantizing") for out, _ in outs)

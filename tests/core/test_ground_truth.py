@@ -79,7 +79,8 @@ def test_baseline_is_plain_greedy_generation(loaded) -> None:  # type: ignore[no
 @pytest.mark.parametrize("absorb,scope", [("context", "all-positions"), ("context", "query"),
                                           ("all", "all-positions")])
 @pytest.mark.parametrize("method", ["direct", "stable"])
-def test_saved_patches_reproduce_with_plain_weights(loaded, tmp_path, absorb, scope, method) -> None:  # type: ignore[no-untyped-def]
+def test_saved_patches_reproduce_with_plain_weights(loaded, tmp_path, absorb, scope,  # type: ignore[no-untyped-def]
+                                                    method) -> None:
     """Float64 patches (saved as float64) written into the weights reproduce the run to 1e-6
     of the logit scale when they are bounded. The tolerance follows the conditioning the run
     reports, not the machine: an unbounded direct scale patch (``dm = dv / N(h)`` with a tiny

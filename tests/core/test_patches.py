@@ -82,7 +82,8 @@ def test_a_zero_input_gives_a_void_patch_that_acts_as_nothing() -> None:
 
 def test_matrix_output_patch_adds_shift() -> None:
     g = torch.Generator().manual_seed(2)
-    w, h, dv = torch.randn(4, 6, generator=g), torch.randn(6, generator=g), torch.randn(4, generator=g)
+    w, h, dv = (torch.randn(4, 6, generator=g), torch.randn(6, generator=g),
+                torch.randn(4, generator=g))
     r = matrix_output_patch(dv, h)
     assert r is not None
     torch.testing.assert_close((w + torch.outer(r.u, r.a)) @ h, w @ h + dv)
@@ -150,22 +151,24 @@ def _sphere_error(g: torch.Tensor, m: torch.Tensor, mu: float) -> float:
 
 @SOLVES
 def test_rms_fit_matches_bisection_on_a_sweep(solve: str) -> None:
-    """The secular solve lands on the sphere (within 1e-7, or as well as 200 bisection steps) over widths 4 to
-    640, scales 1e-3 to 1e2 of m and 1e-4 to 1e4 of g, zeros in m, all-positive m, and near-hard
-    cases: the minimising coordinate's g almost zero, with the other coordinates' F at the pole
-    1 - delta (delta 1e-10 to 1e-1), or g there a few ulps, where only a finite fit below the
-    pole is asked (a Newton solve tried in session 6 returned NaN there: its start rounded onto
+    """The secular solve lands on the sphere (within 1e-7, or as well as 200 bisection steps) over
+    widths 4 to 640, scales 1e-3 to 1e2 of m and 1e-4 to 1e4 of g, zeros in m, all-positive m, and
+    near-hard cases: the minimising coordinate's g almost zero, with the other coordinates' F at
+    the pole 1 - delta (delta 1e-10 to 1e-1), or g there a few ulps, where only a finite fit below
+    the pole is asked (a Newton solve tried in session 6 returned NaN there: its start rounded onto
     the pole; and stalled 1e-4 off the sphere in the first kind)."""
     gen = torch.Generator().manual_seed(11)
     checked = 0
     for trial in range(400):
         n = (4, 16, 64, 640)[trial % 4]
-        m = torch.randn(n, generator=gen) * 10 ** float(torch.empty(1).uniform_(-3, 2, generator=gen))
+        m = (torch.randn(n, generator=gen)
+             * 10 ** float(torch.empty(1).uniform_(-3, 2, generator=gen)))
         if trial % 3 == 0:
             m[torch.randint(n, (max(1, n // 10),), generator=gen)] = 0
         if trial % 5 == 0:
             m = m.abs() + 1e-3
-        g = torch.randn(n, generator=gen) * 10 ** float(torch.empty(1).uniform_(-4, 4, generator=gen))
+        g = (torch.randn(n, generator=gen)
+             * 10 ** float(torch.empty(1).uniform_(-4, 4, generator=gen)))
         k = int((m * m).argmin())
         if trial % 7 == 0:
             g[k] *= 1e-6
