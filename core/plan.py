@@ -10,7 +10,8 @@ the report from it instead of planning again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, Literal
 
 import torch
@@ -229,7 +230,14 @@ class RunPlan:
     norms: _Norms  # the patched parameters' norms, measured once
     eos: set[int]  # the tokens that end the run (``stop_at_eos``), else none
     strategy: Strategy
-    report: list[LayerPlan]  # the controllability report (`core.controllability`)
+    loaded: LoadedModel = field(repr=False)
+
+    @cached_property
+    def report(self) -> list[LayerPlan]:
+        """The controllability report (`core.controllability.report`) of the run's own sites
+        and output plans, made when a front end asks for it (it reads every patched layer's
+        scale: host syncs a bare protocol run does without)."""
+        return report(self.loaded, self.sites, self.patch)
 
     @property
     def batched(self) -> bool:
@@ -269,5 +277,4 @@ class RunPlan:
             strategy = "separate passes"
         return cls(spec, layers, sites, patch, names, compute_dtype(loaded.dtype),
                    _Norms(model, adapter.norm_offset, scale_names),
-                   _eos_ids(loaded) if spec.stop_at_eos else set(), strategy,
-                   report(loaded, sites, patch))
+                   _eos_ids(loaded) if spec.stop_at_eos else set(), strategy, loaded)

@@ -33,13 +33,13 @@ def stable_run() -> dict[str, Any]:
     arrays: each step's tokens, the patched side's distance to the full context's logits and
     its top probabilities, the layers' hard cases, and every patch vector."""
     import torch
-    from ctxpatch.core.compare import Settings, iter_token_patches
+    from ctxpatch.core.compare import RunSpec, iter_token_patches
     from ctxpatch.core.prompt import build_prompt
     from tiny import gemma3_config, tiny_loaded
 
     loaded = tiny_loaded(gemma3_config(layers=4))
     prompt = build_prompt(loaded.tokenizer, "", "The quick brown fox jumps over the lazy dog.")
-    settings = Settings(max_new_tokens=3, absorb="all", keep_patches=True, method="stable",
+    settings = RunSpec(max_new_tokens=3, absorb="all", keep_patches=True, method="stable",
                         control=False)
     with torch.no_grad():
         steps = list(iter_token_patches(loaded, prompt, settings))
