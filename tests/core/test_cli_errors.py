@@ -163,6 +163,7 @@ def test_compare_reports_controllability_and_a_frozen_output(capsys: pytest.Capt
     assert record["settings"]["disabled"] == ["output"]
 
 
+@pytest.mark.slow
 def test_bench_prints_ratios_last(capsys: pytest.CaptureFixture[str], tiny_folder: Path) -> None:
     """The bench's figures (not timed assertions): the last stdout line is JSON with both ratios."""
     code = main(["bench", "--model", str(tiny_folder), "--context", "The fox.", "--query", "Hi",

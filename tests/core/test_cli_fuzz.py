@@ -16,6 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny import llama_config, save_tiny_folder
 
+pytestmark = pytest.mark.slow  # (the fast tier: pytest -m "not slow")
+
 FUZZ = settings(max_examples=40, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow])

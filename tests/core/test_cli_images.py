@@ -12,6 +12,8 @@ from ctxpatch.app.cli import main
 from ctxpatch.resources import sample_image_path
 from tiny import save_tiny_folder, save_tiny_image_folder
 
+pytestmark = pytest.mark.slow  # (the fast tier: pytest -m "not slow")
+
 
 @pytest.fixture(scope="module", params=["gemma3", "llava", "llava_next", "idefics3"])
 def image_folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:

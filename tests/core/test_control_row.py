@@ -51,6 +51,7 @@ def _steps(loaded, **kw):  # type: ignore[no-untyped-def]
     return list(iter_token_patches(loaded, prompt, settings))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(["gemma3", *TINY, *ALL_LAYERS_ONLY]))
 @pytest.mark.parametrize("method,scope", [("direct", "all-positions"), ("stable", "query")])
 def test_batched_control_row_equals_separate_passes(name: str, method: str, scope: str) -> None:

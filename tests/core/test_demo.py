@@ -9,6 +9,8 @@ from ctxpatch.core.compare import RunSpec, iter_token_patches, summarize
 from ctxpatch.core.loading import load_model
 from ctxpatch.core.prompt import build_prompt
 
+pytestmark = pytest.mark.slow  # (the fast tier: pytest -m "not slow")
+
 MARS = ("Write a single-sentence weather forecast for Mars, from the perspective of a slightly "
         "annoyed robot:")
 

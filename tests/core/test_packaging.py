@@ -8,11 +8,13 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
 from tiny import gemma3_config, save_tiny_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path: Path) -> None:
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
