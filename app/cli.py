@@ -284,7 +284,7 @@ def run_bench(args: argparse.Namespace) -> int:
         raise UserError("--repeats must be at least 1")
     # generate cannot stop at EOS like the comparison would: both always make every token
     run = spec.from_namespace(args, stop_at_eos=False)
-    picture = prepare(run) if run.image else None
+    picture = prepare(run) if run.image is not None else None
     check_outputs({"--json": args.json}, _inputs(args), text=("--json",))
     loaded = _load(run, say)
     prompt = prompt_of(loaded, run, picture)

@@ -141,9 +141,9 @@ class _Control(TypedDict):
 
 class _LayerInfo(TypedDict, total=False):  # core.compare._layer_info
     __pydantic_config__ = _STRICT  # type: ignore[misc]
-    entry_ratio: float
+    entry_ratio: Real  # (null: a NaN or infinity, as the writer stores them)
     unbounded: bool
-    shift_norm: float
+    shift_norm: Real
     block_error: Real
     div_by_one: Int32
     hard_case: bool
@@ -226,8 +226,8 @@ class _Conditioning(TypedDict, total=False):  # core.results.conditioning, as sh
     __pydantic_config__ = _STRICT  # type: ignore[misc]
     max_abs_scale_patch: Real
     max_abs_scale_patch_at: dict[Literal["step", "layer"], Int32] | None
-    max_entry_ratio: float
-    bound: float
+    max_entry_ratio: Real
+    bound: Real
     unbounded_layers: Int32
     unbounded_steps: Int32
     hard_case_layers: Int32
@@ -401,7 +401,8 @@ def step_from_dict(d: dict[str, Any], full_ids: tuple[int, ...]) -> Any:
         patch_norms={int(k): {name: {m: _float(x) for m, x in norms.items()}
                               for name, norms in params.items()}
                      for k, params in d.get("patch_norms", {}).items()},
-        layer_info={int(k): v for k, v in d.get("layers", {}).items()},
+        layer_info={int(k): {f: math.nan if x is None else x for f, x in v.items()}
+                    for k, v in d.get("layers", {}).items()},
         seconds={k: float(v) for k, v in d.get("seconds", {}).items()},
     )
 

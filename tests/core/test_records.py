@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -48,3 +49,19 @@ def test_a_record_reads_back_as_the_same_run(record) -> None:  # type: ignore[no
 def test_damaged_records_are_one_clear_error(record, damage, message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(UserError, match=message):
         read_record(damage(record[0]), "run.json")
+
+
+def test_a_record_with_nan_and_infinite_measures_reads_back() -> None:
+    """The writer stores NaN and infinity as null (a run past a fault, a patch of a weight whose
+    largest entry is 0): its own schema takes them, and the reader gives NaN back."""
+    from ctxpatch.core.export import json_text
+
+    loaded = tiny_loaded(gemma3_config())
+    prompt = build_prompt(loaded.tokenizer, "The quick brown fox.", "Hello world!")
+    steps = list(iter_token_patches(loaded, prompt, RunSpec(max_new_tokens=1)))
+    rec = json.loads(json_text(record_of(loaded.describe(), prompt, RunSpec(), steps)))
+    info = rec["steps"][0]["layers"]["0"]
+    info["entry_ratio"] = info["shift_norm"] = None
+    rec["summary"]["conditioning"]["max_entry_ratio"] = None
+    run = read_record(rec)
+    assert math.isnan(run.steps[0].layer_info[0]["entry_ratio"])
