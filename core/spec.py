@@ -170,8 +170,9 @@ class RunSpec:
             UserError: a value of the wrong type, outside its choices or its range, or options
                 that do not go together.
         """
+        hints = _hints(type(self))  # (once per validation, not once per field)
         for f in fields(self):
-            _check_type(f.name, getattr(self, f.name), _hints()[f.name])
+            _check_type(f.name, getattr(self, f.name), hints[f.name])
         if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
             raise UserError(f"max new tokens must be between 1 and {MAX_NEW_TOKENS}, not "
                             f"{self.max_new_tokens}")
