@@ -381,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_reproduce(args, _Progress(False))
         return _open_window(args)
     except UserError as exc:
-        print(f"ctxpatch: error: {exc}", file=sys.stderr)
+        print(f"ctxpatch: error: {exc.words('cli')}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("ctxpatch: interrupted", file=sys.stderr)

@@ -14,7 +14,7 @@ from typing import Any
 
 StopFn = Callable[[], bool]
 ProgressFn = Callable[[str, int, int], None]
-Job = Callable[[StopFn, ProgressFn], Iterator[Any]]
+Task = Callable[[StopFn, ProgressFn], Iterator[Any]]  # what the worker runs (not experiments.Job)
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class RunStarted:
     prompt: Any  # core.prompt.Prompt (plain ids and segments)
     layers: tuple[int, ...]  # the patched layers
     num_layers: int
-    control: str  # the output control in use
+    output_control: str  # "scale", "matrix", "bias" or "experts"
     model: dict[str, Any]
     plan: tuple[Any, ...] = ()  # core.controllability.LayerPlan per patched layer
     record: dict[str, Any] | None = None  # set when the run was reopened from its record
@@ -46,7 +46,7 @@ class RunStarted:
 
 def load_job(spec: str, dtype: str, device: str,
              placement: tuple[str, str, str] = ("one device", "", ""),
-             trust_remote_code: bool = False, allow_pickle: bool = False) -> Job:
+             trust_remote_code: bool = False, allow_pickle: bool = False) -> Task:
     """Load a model; ``placement``: the device map, max memory and offload folder as typed."""
 
     def job(should_stop: StopFn, progress: ProgressFn) -> Iterator[Any]:
@@ -75,7 +75,7 @@ def load_job(spec: str, dtype: str, device: str,
     return job
 
 
-def run_job(model: ModelReady, options: dict[str, Any]) -> Job:
+def run_job(model: ModelReady, options: dict[str, Any]) -> Task:
     """A comparison of ``options`` (`core.spec.RunSpec` fields by name, checked here: a bad one
     fails the job with its one line): one `RunStarted`, then one `core.results.StepResult` per
     token. An ``image`` is a picture's path, absorbed with the context (image+text models)."""
@@ -97,7 +97,7 @@ def run_job(model: ModelReady, options: dict[str, Any]) -> Job:
             prompt=replace(prompt, pixels=None),  # the window gets no tensors
             layers=tuple(plan.sites),
             num_layers=int(model.info["num_layers"]),
-            control=plan.patch.control,
+            output_control=plan.patch.output_control,
             model=model.info,
             plan=tuple(plan.report),
         )
@@ -117,7 +117,7 @@ class SessionReady:
     run: Any  # core.record.RunRecord of that run (plain steps, no tensors), or None
 
 
-def session_job(path: str) -> Job:
+def session_job(path: str) -> Task:
     """Open a session: read and check it, then rebuild the run it shows. A 9,000-token run takes
     seconds to check and rebuild, so a large file is read here, never on the GUI thread."""
 

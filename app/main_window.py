@@ -29,7 +29,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from .jobs import Job, ModelReady, RunStarted, load_job, run_job
+from .jobs import ModelReady, RunStarted, Task, load_job, run_job
 from .panels.control_panel import QtControlPanel
 from .panels.generation_panel import QtGenerationPanel, plural
 from .panels.history_panel import QtHistoryPanel
@@ -266,7 +266,7 @@ class MainWindow(QMainWindow):
             self.worker.requestInterruption()
             self.status_label.setText("Cancelling: stopping before the next layer or token…")
 
-    def _start(self, job: Job, kind: str, message: str) -> None:
+    def _start(self, job: Task, kind: str, message: str) -> None:
         worker = Worker(job, self)
         worker.loaded.connect(self._on_loaded)
         worker.session_loaded.connect(self.files.on_session_loaded)

@@ -63,8 +63,8 @@ def fill_state(state: RunState, run: RunRecord) -> RunState:
     plan = _plans(run)
     state.reset(RunStarted(settings=run.settings, prompt=run.prompt, layers=tuple(layers),
                            num_layers=int(run.model.get("num_layers", len(layers))),
-                           control=str(plan[0].control if plan else
-                                       run.settings.get("output_control") or "default"),
+                           output_control=str(plan[0].control if plan else
+                                              run.settings.get("output_control") or "default"),
                            model=run.model, plan=plan, record=run.record))
     for s in run.steps:
         state.add_step(s)

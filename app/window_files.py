@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from PySide6.QtWidgets import QWidget
 
     from ..core.record import RunRecord
-    from .jobs import Job, RunStarted, SessionReady
+    from .jobs import RunStarted, SessionReady, Task
     from .main_window import Banner
     from .panels.history_panel import QtHistoryPanel
     from .panels.input_panel import QtInputPanel
@@ -64,7 +64,7 @@ class WindowFiles:
                  model_panel: QtModelPanel, history_panel: QtHistoryPanel, plots: QtPlotsPanel,
                  banner: Banner, notice: Banner, say: Callable[[str], None],
                  show_error: Callable[[str], None], running: Callable[[], str | None],
-                 start: Callable[[Job, str, str], None],
+                 start: Callable[[Task, str, str], None],
                  session_opened: Callable[[str], None]) -> None:
         self._window = window
         self._state = state
@@ -129,7 +129,7 @@ class WindowFiles:
                 write_report(rebuild(record, "the run"), target,
                              target.with_name(f"{target.stem}_plots"))
         except UserError as exc:
-            self._show_error(str(exc))
+            self._show_error(exc.words("window"))
             return False
         except OSError as exc:
             self._show_error(f"cannot write {path}: {exc.strerror or exc}")
@@ -182,7 +182,7 @@ class WindowFiles:
         try:
             run = rebuild(self.history[index], f"run #{index + 1}")
         except UserError as exc:
-            self._show_error(str(exc))
+            self._show_error(exc.words("window"))
             return
         self._show(index, run)
 
@@ -260,7 +260,7 @@ class WindowFiles:
             data = load_session(path)
             index, run = shown_run(data, f"the session {path}")
         except UserError as exc:
-            self._show_error(str(exc))
+            self._show_error(exc.words("window"))
             self._session_opened("failed")
             return False
         self.apply_session(data, index, run)
@@ -339,7 +339,7 @@ class WindowFiles:
             try:
                 self.apply_session(data, source="the autosave")
             except UserError as exc:
-                self._show_error(f"cannot restore the autosave: {exc}")
+                self._show_error(f"cannot restore the autosave: {exc.words('window')}")
                 return
             self._say("Restored the autosave")
 

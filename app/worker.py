@@ -15,7 +15,7 @@ import traceback
 from PySide6.QtCore import QObject, QThread, Signal
 
 from ..core.errors import Cancelled, UserError
-from .jobs import Job, ModelReady, RunStarted, SessionReady
+from .jobs import ModelReady, RunStarted, SessionReady, Task
 
 log = logging.getLogger("ctxpatch")
 
@@ -30,7 +30,7 @@ class Worker(QThread):
     cancelled = Signal()
     failed = Signal(str)
 
-    def __init__(self, job: Job, parent: QObject | None = None) -> None:
+    def __init__(self, job: Task, parent: QObject | None = None) -> None:
         super().__init__(parent)
         self._job = job
 
@@ -57,7 +57,7 @@ class Worker(QThread):
             self.cancelled.emit()
             return
         except UserError as exc:
-            self.failed.emit(str(exc))
+            self.failed.emit(exc.words("window"))
             return
         except Exception as exc:  # noqa: BLE001 - every failure reaches the window as one line
             if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":

@@ -24,7 +24,7 @@ from .engine import (
     patching,
     recording,
 )
-from .errors import Cancelled, UserError
+from .errors import Cancelled, UserError, mention
 from .forward import (
     attention_only,
     extend_cache,
@@ -398,8 +398,9 @@ def _check_finite(step: int, scale: float, bad_layers: list[int], linfs: list[fl
     Read from values the step shows anyway: the full-context logits are finite when their
     largest magnitude (the logit scale) is; then a side's logits are when their largest
     distance to them is."""
-    hint = (f"in {str(dtype).removeprefix('torch.')}: try float32 or bfloat16, or method "
-            "'stable'; or continue past faults (on_fault 'continue')")
+    hint = (f"in {str(dtype).removeprefix('torch.')}: try {mention('dtype', 'float32')} (or "
+            f"bfloat16), or {mention('method', 'stable')}; or continue past faults "
+            f"({mention('on_fault', 'continue')})")
     where = f"numerical fault at token {step + 1}"
     if not math.isfinite(scale):
         raise UserError(f"{where}: the model's own full-context logits are NaN or infinite "

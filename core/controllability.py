@@ -15,6 +15,7 @@ bound and `outcome` flags the steps whose attention shift ``|dv|`` exceeds it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -201,7 +202,7 @@ def report(loaded: LoadedModel, sites: dict[int, LayerSites], spec: PatchSpec
         if out.frozen:
             outputs = []
             warnings.append("output control frozen: the attention shift is not absorbed here")
-        plans.append(LayerPlan(i, tuple(inputs), tuple(outputs), spec.control,
+        plans.append(LayerPlan(i, tuple(inputs), tuple(outputs), spec.output_control,
                                tuple(conditions), tuple(warnings), bound, s.mixer))
     return plans
 
@@ -253,8 +254,12 @@ def conditioning_line(cond: dict[str, Any] | None) -> str:
         at = cond.get("max_abs_scale_patch_at") or {}
         where = f" (token {at['step'] + 1}, layer {at['layer']})" if at else ""
         parts.append(f"max |dm| {dm:.3g}{where}")
-    parts.append(f"largest patch entry {cond.get('max_entry_ratio', 0.0):.3g}x its weight's "
-                 f"largest")
+    ratio = cond.get("max_entry_ratio", 0.0)
+    if isinstance(ratio, int | float) and math.isfinite(ratio):
+        parts.append(f"largest patch entry {ratio:.3g}x its weight's largest")
+    else:  # infinite (a patched weight or bias of all zeros), NaN, or a record's null for either
+        parts.append("largest patch entry without a ratio (a patched weight is all zeros, or "
+                     "the patches hold a NaN)")
     if cond.get("hard_case_steps"):
         parts.append(f"stable hard case at {cond['hard_case_layers']} layer-step(s) over "
                      f"{cond['hard_case_steps']} token(s)")

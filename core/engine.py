@@ -112,7 +112,7 @@ class PatchSpec:
 
     Attributes:
         method: "direct" or "stable".
-        control: the output control, "scale", "matrix", "bias" or "experts" (MoE; dense layers
+        output_control: "scale", "matrix", "bias" or "experts" (MoE; dense layers
             of an MoE model then use their down matrix).
         last_only: patches act at the query position only (scope "query").
         disabled: patch kinds left out: "input" and/or "output" (negative controls, ablations).
@@ -124,7 +124,7 @@ class PatchSpec:
             it (the unpatched control, `core.compare`) are read and changed by no hook. Dense
             layers only (MoE experts see every row's tokens mixed).
         outputs: each patched layer's `OutputPlan`, by layer index: what absorbs ``dv``
-            there (`core.controllability.output_plan` of the layer's sites, ``control``,
+            there (`core.controllability.output_plan` of the layer's sites, ``output_control``,
             ``method`` and ``disabled``, decided once when the run is planned).
         same_pass: `recording`'s hooks run in the same forward (batch row 0, `core.compare`'s
             one pass): a post-norm's full-context output is known only once the post-norm has
@@ -133,7 +133,7 @@ class PatchSpec:
     """
 
     method: str = "direct"
-    control: str = "scale"
+    output_control: str = "scale"
     last_only: bool = False
     disabled: frozenset[str] = frozenset()
     norm_offset: float = 0.0

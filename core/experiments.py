@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +57,7 @@ def image_grid(dtypes: Sequence[str]) -> list[Job]:
 
 
 #: the settings a run resolves as it runs, which a resumed job does not know in advance
-_RESOLVED = ("device", "control_row", "chat_template", "keep_patches")
+_RESOLVED = ("device", "control_row", "chat_template")
 
 
 def _saved(path: Path, spec: Any) -> dict[str, Any] | None:
@@ -72,8 +73,14 @@ def _saved(path: Path, spec: Any) -> dict[str, Any] | None:
     settings = record.get("settings")
     if not isinstance(settings, dict) or not record.get("steps"):
         return None
-    wanted = {k: v for k, v in spec.to_dict().items() if k not in _RESOLVED}
-    return record if {k: settings.get(k) for k in wanted} == wanted else None
+    with warnings.catch_warnings():  # a newer writer's keys: not options of this run
+        warnings.simplefilter("ignore")
+        made = type(spec).from_dict(settings)  # an option an older record lacks: its default
+
+    def compared(s: Any) -> dict[str, Any]:
+        return {k: v for k, v in s.to_dict(recorded=True).items() if k not in _RESOLVED}
+
+    return record if compared(made) == compared(spec) else None
 
 
 def run_grid(model: str, out: Path, jobs: Sequence[Job], tokens: int, device: str = "auto",

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import UserError
+from .errors import UserError, mention
 from .images import ImageInfo
 from .results import StepResult, conditioning
 from .spec import RunSpec
@@ -148,7 +148,7 @@ def save_patches(
     meta_steps = []
     for s in steps:
         if s.patches is None:
-            raise UserError("this run kept no patches: run it with keep_patches (--save-patches)")
+            raise UserError(f"this run kept no patches: run it with {mention('keep_patches')}")
         for name, arr in s.patches.items():
             # float64 for a float64 run, float32 otherwise (as the run computed and applied them)
             kind = np.float64 if arr.dtype == np.float64 else np.float32

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import UserError
+from .errors import UserError, mention
 
 #: image+text model types whose language model is one of our adapters' families, and which are
 #: tested (tiny random models in float64, their processors built without torchvision). Others with
@@ -172,7 +172,7 @@ def reopen(info: ImageInfo, path: str | None = None, what: str = "these patches"
     """
     if path is None and not Path(info.path).is_file():
         raise UserError(f"{what} were made with the image {info.path}, which is gone: "
-                        "pass --image FILE with the same picture")
+                        f"pass {mention('image', metavar='FILE')} with the same picture")
     where = path or info.path
     image, found = read_image(where)
     if found.sha256 != info.sha256:
@@ -284,7 +284,7 @@ def processor_class(config: Any) -> type | None:
 
 
 @dataclass(frozen=True)
-class Layout:
+class ImageLayout:
     """Where a processor's image tokens go in a prompt."""
 
     #: text the model expects around the image token, which the processor does not add itself
@@ -296,17 +296,17 @@ class Layout:
 
 
 #: processors (by class name) whose image tokens do not simply follow BOS
-LAYOUTS: dict[str, Layout] = {
-    "Qwen2VLProcessor": Layout(around=("<|vision_start|>", "<|vision_end|>")),
-    "Qwen2_5_VLProcessor": Layout(around=("<|vision_start|>", "<|vision_end|>")),
-    "Qwen3VLProcessor": Layout(around=("<|vision_start|>", "<|vision_end|>")),
-    "Glm4vProcessor": Layout(around=("<|begin_of_image|>", "<|end_of_image|>")),
-    "PaliGemmaProcessor": Layout(image_first_end="\n"),
+LAYOUTS: dict[str, ImageLayout] = {
+    "Qwen2VLProcessor": ImageLayout(around=("<|vision_start|>", "<|vision_end|>")),
+    "Qwen2_5_VLProcessor": ImageLayout(around=("<|vision_start|>", "<|vision_end|>")),
+    "Qwen3VLProcessor": ImageLayout(around=("<|vision_start|>", "<|vision_end|>")),
+    "Glm4vProcessor": ImageLayout(around=("<|begin_of_image|>", "<|end_of_image|>")),
+    "PaliGemmaProcessor": ImageLayout(image_first_end="\n"),
 }
 
 
-def image_layout(processor: Any) -> Layout:
-    return LAYOUTS.get(type(processor).__name__, Layout())
+def image_layout(processor: Any) -> ImageLayout:
+    return LAYOUTS.get(type(processor).__name__, ImageLayout())
 
 
 def image_marker(processor: Any) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .adapters import Adapter, adapter_for_config
-from .errors import Cancelled, UserError
+from .errors import Cancelled, UserError, mention
 from .footprint import DEMOS, demo_folder
 from .offload import execution_device
 from .placement import Placement, no_fit
@@ -98,12 +98,13 @@ def resolve_device(name: str) -> torch.device:
         raise UserError(f"device {name!r} is not one ctxpatch runs on: use auto, cpu, cuda, "
                         "cuda:N or mps")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"device {name!r} is not available here (no CUDA): use --device cpu")
+        raise UserError(f"device {name!r} is not available here (no CUDA): use "
+                        f"{mention('device', 'cpu')}")
     if device.type == "cuda" and device.index is not None:
         if device.index >= torch.cuda.device_count():
             raise UserError(f"device {name!r} does not exist: {torch.cuda.device_count()} GPU(s)")
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise UserError("device 'mps' is not available here: use --device cpu")
+        raise UserError(f"device 'mps' is not available here: use {mention('device', 'cpu')}")
     return device
 
 
@@ -288,7 +289,7 @@ def load_config(source: str, local_only: bool, trust_remote_code: bool = False) 
             if "custom code" in str(exc) or "trust_remote_code" in str(exc):
                 raise UserError(
                     f"{source} ships its own model code, which runs only if you trust it: pass "
-                    "--trust-remote-code (in the window: 'Trust its code')") from None
+                    f"{mention('trust_remote_code')}") from None
             raise UserError(f"cannot read the config of {source}: {exc}".splitlines()[0]) from None
         except (OSError, KeyError) as exc:
             config_file = Path(source) / "config.json"
@@ -359,8 +360,8 @@ def load_model(
         pickled = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
         if pickled and not allow_pickle:
             raise UserError(f"{spec} has only pickled weights ({pickled[0]}), which can run code "
-                            "when loaded: convert them to safetensors, or pass --allow-pickle "
-                            "if you trust this model")
+                            "when loaded: convert them to safetensors, or pass "
+                            f"{mention('allow_pickle')} if you trust this model")
     if not folder.is_dir() and not allow_pickle:
         kwargs["use_safetensors"] = True
     kwargs.update(placement.kwargs())

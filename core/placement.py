@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import UserError
+from .errors import UserError, mention
 
 DEVICE_MAPS = ("auto", "balanced", "sequential")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
@@ -50,7 +50,8 @@ def parse_max_memory(items: list[str] | None) -> dict[int | str, int] | None:
                 raise ValueError(item)
             out[_device(device)] = parse_size(size)
         except ValueError:
-            raise UserError(f"malformed --max-memory {item!r}: use DEVICE=SIZE, e.g. cpu=8GiB or "
+            raise UserError(f"malformed {mention('max_memory')} {item!r}: use DEVICE=SIZE, e.g. "
+                            "cpu=8GiB or "
                             "0=20GiB (devices: cpu, 0, 1, ... or cuda:N, mps)") from None
     return out
 
@@ -68,7 +69,8 @@ class Placement:
             raise UserError(f"unknown device map {self.device_map!r}: use one of "
                             f"{', '.join(DEVICE_MAPS)}")
         if self.device_map is None and (self.max_memory or self.offload_folder):
-            raise UserError("--max-memory and --offload-folder need --device-map "
+            raise UserError(f"{mention('max_memory')} and {mention('offload_folder')} need "
+                            f"{mention('device_map')} "
                             f"({', '.join(DEVICE_MAPS)})")
         if self.offload_folder:
             folder = Path(self.offload_folder).expanduser()
@@ -117,6 +119,7 @@ def no_fit(exc: Exception) -> UserError | None:
     """accelerate's "needs an offload folder" failure as one line, or None for other errors."""
     text = str(exc)
     if "offload" in text.lower() and ("folder" in text.lower() or "disk" in text.lower()):
-        return UserError("the model does not fit in the memory given (--max-memory): give "
-                         "--offload-folder DIR to put the rest on disk, or allow more memory")
+        return UserError(f"the model does not fit in the memory given ({mention('max_memory')})"
+                         f": give {mention('offload_folder', metavar='DIR')} to put the rest on "
+                         "disk, or allow more memory")
     return None

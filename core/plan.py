@@ -205,7 +205,7 @@ def plan_patching(loaded: LoadedModel, spec: RunSpec
     dtype = compute_dtype(loaded.dtype)
     patch = PatchSpec(
         method=spec.method,
-        control=control,
+        output_control=control,
         last_only=spec.scope == "query",
         disabled=spec.disabled,
         norm_offset=adapter.norm_offset,

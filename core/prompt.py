@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import UserError
+from .errors import UserError, mention
 from .images import ImageInfo, encode_image, image_layout, image_marker, text_only
 from .options import ABSORB_MODES
 
@@ -100,7 +100,8 @@ def _render_chat(tokenizer: Any, processor: Any, context: str, image: bool) -> s
     processor's template when there is an image or the tokenizer has none."""
     text = (_CTX if context else "") + _QRY
     if not has_chat_template(tokenizer, processor):
-        raise UserError("this tokenizer has no chat template: run without --chat-template")
+        raise UserError("this tokenizer has no chat template: run without "
+                        f"{mention('chat_template')}")
     if getattr(processor, "chat_template", None) and (image or not has_chat_template(tokenizer)):
         owner, content = processor, [{"type": "text", "text": text}]
         if image:
@@ -148,7 +149,7 @@ def build_prompt(tokenizer: Any, context: str, query: str, chat_template: bool =
             pre, found, mid = head.partition(picture.text)
             if not found:
                 raise UserError("this chat template does not put the image before the text: run "
-                                "without --chat-template")
+                                f"without {mention('chat_template')}")
         segments = [Segment("template", pre, _encode(tokenizer, pre))] if pre else []
         if picture is not None:
             segments.append(picture)

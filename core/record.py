@@ -60,7 +60,7 @@ def record_of(model: dict[str, Any], prompt: Prompt, spec: RunSpec,
     resolved = replace(spec, device=str(model.get("device", spec.device)))
     record = {
         "schema_version": SCHEMA_VERSION,
-        "settings": resolved.to_dict(),
+        "settings": resolved.to_dict(recorded=True),
         "model": model,
         "prompt": prompt.to_dict(),
         "steps": [step_to_dict(s) for s in steps],

@@ -12,7 +12,7 @@ from typing import Any
 
 from .compare import iter_token_patches
 from .controllability import LayerPlan
-from .errors import UserError
+from .errors import UserError, mention
 from .loading import LoadedModel
 from .plan import RunPlan
 from .prompt import Prompt
@@ -106,7 +106,8 @@ def default_tolerance(dtype: str, given: float | None = None) -> float:
     1e-3 in float64, 1e-2 in float32, token match only (infinite) in 16-bit."""
     if given is not None:
         if not isinstance(given, int | float) or not math.isfinite(given) or given <= 0:
-            raise UserError(f"--tolerance {given}: give a positive number, e.g. 1e-3 (relative "
+            raise UserError(f"{mention('tolerance')} {given}: give a positive number, e.g. 1e-3 "
+                            "(relative "
                             "to the logit scale)")
         return float(given)
     return {"float64": 1e-3, "float32": 1e-2}.get(dtype, math.inf)

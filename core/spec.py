@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args, get_origin
 
-from .errors import UserError
+from .errors import UserError, mention
 from .options import (
     CONTROL_ROWS,
     DEVICE_MAPS,
@@ -66,6 +66,8 @@ class Option:
     metavar: str | None = None
     label: str | None = None  # the window's control for it (None: not in the window)
     window: bool = False  # the window takes it from the command line (`ctxpatch --model ...`)
+    said: str | None = None  # how a message in the window names the control (None: its label)
+    recorded: bool = True  # in the run record's settings (False: says nothing about the results)
 
 
 def _opt(default: Any, help: str, group: str, **kw: Any) -> Any:
@@ -87,7 +89,7 @@ class RunSpec:
     dtype: Dtype = _opt("float32", "precision of the weights and of the run (default float32)",
                         "model", window=True, label="Precision")
     device: str = _opt("auto", "auto, cpu, cuda, cuda:N or mps", "model", window=True,
-                       label="on")
+                       label="on", said="Device")
     trust_remote_code: bool = _opt(False, "run model code shipped with the checkpoint (only for "
                                    "models you trust)", "model", cli="switch", window=True,
                                    label="Trust its code")
@@ -153,7 +155,8 @@ class RunSpec:
                              "run there with one line, or continue and record it (default "
                              "stop)", "run", window=True, label="On a NaN")
     keep_patches: bool = _opt(False, "keep every step's patch vectors (set by --save-patches "
-                              "and --verify)", "run", cli="none")
+                              "and --verify)", "run", cli="none", flag="--save-patches",
+                              recorded=False)  # the API keeps them by default, the CLI not
 
     def __post_init__(self) -> None:
         # loose values as the command line and JSON give them: a list for the sets and tuples
@@ -188,9 +191,15 @@ class RunSpec:
         return Placement(self.device_map, parse_max_memory(list(self.max_memory or ())) or {},
                          self.offload_folder)
 
-    def to_dict(self) -> dict[str, Any]:
-        """The options as JSON-ready values (the run record's ``settings``)."""
+    def to_dict(self, recorded: bool = False) -> dict[str, Any]:
+        """The options as JSON-ready values; ``recorded``: only those the run record's
+        ``settings`` keep (not what a front end does with the results, such as keeping the
+        patch vectors)."""
         d = dataclasses.asdict(self)
+        if recorded:
+            for f in fields(self):
+                if not f.metadata["option"].recorded:
+                    del d[f.name]
         d["disabled"] = sorted(self.disabled)
         d["max_memory"] = None if self.max_memory is None else list(self.max_memory)
         return d
@@ -218,6 +227,11 @@ def _hints(cls: type[RunSpec] | None = None) -> dict[str, Any]:
 
 def option(name: str) -> Option:
     return typing.cast(Option, {f.name: f for f in fields(_current())}[name].metadata["option"])
+
+
+def field_type(name: str) -> Any:
+    """The type hint of a field (``bool`` for a switch)."""
+    return _hints()[name]
 
 
 def names() -> tuple[str, ...]:
@@ -287,7 +301,7 @@ def _check_type(name: str, value: Any, hint: Any) -> None:
         raise UserError(f"{name} is not valid text (it holds bytes that are not UTF-8): "
                         "give it as UTF-8")
     shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-    raise UserError(f"option {name} must be {_describe(hint)}, not {shown}")
+    raise UserError(f"option {mention(name)} must be {_describe(hint)}, not {shown}")
 
 
 def from_options(options: dict[str, Any], base: RunSpec | None = None) -> RunSpec:
@@ -318,10 +332,10 @@ def check_request(spec: RunSpec) -> None:
     to patch and a context to absorb (with absorb "context")."""
     if spec.absorb == "context" and not spec.query.strip():
         raise UserError("the query is empty: with absorb 'context' the patched model needs query "
-                        "tokens (type a query, or use --absorb all)")
+                        f"tokens (type a query, or use {mention('absorb', 'all')})")
     if spec.absorb == "context" and not spec.context and spec.image is None:
         raise UserError("the context is empty: with absorb 'context' there is nothing to absorb "
-                        "(give --context, or use --absorb all)")
+                        f"(give {mention('context')}, or use {mention('absorb', 'all')})")
 
 
 def parse_layers(spec: str, n: int | None) -> list[int]:

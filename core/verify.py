@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .errors import Cancelled, UserError
+from .errors import Cancelled, UserError, mention
 from .export import PATCHES_FORMATS, patch_step_meta
 from .forward import last_logits, logit_distance, rolled_back, written_
 from .loading import LoadedModel
@@ -135,12 +135,13 @@ def check_against(model: torch.nn.Module, pf: PatchFile) -> None:
         top = max(max(meta["full_input_ids"]), max(meta["reduced_input_ids"]))
         if top >= vocab:
             raise UserError(f"step {t} uses token id {top}, beyond this model's vocabulary "
-                            f"({vocab}): these patches were made with another model (--model)")
+                            f"({vocab}): these patches were made with another model "
+                            f"({mention('model')})")
     for step, patches in pf.patches.items():
         for (name, index), parts in patches.items():
             if name not in params:
                 raise UserError(f"the patches name parameter {name!r}, which this model lacks "
-                                "(were they made with another model? --model)")
+                                f"(were they made with another model? {mention('model')})")
             shape = tuple(params[name].shape)
             if index is not None:
                 if len(shape) < 2 or index >= shape[0]:
@@ -151,7 +152,7 @@ def check_against(model: torch.nn.Module, pf: PatchFile) -> None:
                     else (int(parts["u"].shape[0]), int(parts["v"].shape[0])))
             if want != shape:
                 raise UserError(f"the patch of {name} at step {step} has shape {want}, the "
-                                f"parameter {shape} (made with another model? --model)")
+                                f"parameter {shape} (made with another model? {mention('model')})")
 
 
 def _add_tensor(pf: PatchFile, key: str, tensor: torch.Tensor, source: str) -> None:
@@ -190,7 +191,7 @@ def materialized(model: torch.nn.Module,
         p = params[name]
         if p.device.type == "meta":
             raise UserError(f"verify writes the patches into the weights, and {name} is offloaded "
-                            "(not in memory): run verify without --device-map")
+                            f"(not in memory): run verify without {mention('device_map')}")
         target = p if index is None else p[index]
         ct = torch.float64 if p.dtype == torch.float64 else torch.float32
         if "delta" in parts:
@@ -279,7 +280,8 @@ def verify_patches(
     image_token = getattr(model.config, "image_token_id", None)
     if pixels is None and image_token is not None and any(
             image_token in meta["full_input_ids"] for meta in pf.steps):
-        raise UserError("these patches were made with an image in the context: pass --image FILE")
+        raise UserError("these patches were made with an image in the context: pass "
+                        f"{mention('image', metavar='FILE')}")
     check_against(model, pf)
     # scope query with absorb context: the run extended a cache of the reduced prefix and patched
     # the last token alone; with absorb all it ran the (one or two token) reduced sequence in one

@@ -115,7 +115,8 @@ class QtControlPanel(QWidget):
         cond = (f"<br>{html.escape(conditioning_line(conditioning(self.state.steps)))}."
                 if n else "")
         self.summary.setText(
-            f"<b>{len(started.plan)} patched layer(s), output control '{started.control}'.</b> "
+            f"<b>{len(started.plan)} patched layer(s), output control "
+            f"'{started.output_control}'.</b> "
             f"{after}{cond}<br>Needs at every token: {'; '.join(needs)}.")
         self.table.resizeRowsToContents()
 

@@ -92,8 +92,8 @@ class QtModelPanel(QGroupBox):
         self.on_fault.setToolTip("A NaN or infinity in the logits or the patches stops the run at "
                                  "that token and layer; ticked, the run continues and records "
                                  "it (on_fault 'continue')")
-        self.control = _combo(("default",))
-        self.control.setToolTip("The output control that absorbs the attention's shift "
+        self.output_control = _combo(("default",))
+        self.output_control.setToolTip("The output control that absorbs the attention's shift "
                                 "(default: the paper's choice for the family)")
         for name in ("method", "absorb", "scope", "layers"):
             getattr(self, name).setToolTip(TIPS[name])
@@ -120,7 +120,7 @@ class QtModelPanel(QGroupBox):
         form.addRow("Absorb", self.absorb)
         form.addRow("Scope", self.scope)
         form.addRow("Layers", self.layers)
-        form.addRow("Output control", self.control)
+        form.addRow("Output control", self.output_control)
         form.addRow("Patches", self.patches)
         form.addRow("", self.on_fault)
         two_lines = 2 * self.fontMetrics().lineSpacing() + 8
@@ -181,17 +181,17 @@ class QtModelPanel(QGroupBox):
         return [self.model.itemText(i) for i in range(self.model.count())]
 
     def set_controls(self, controls: tuple[str, ...]) -> None:
-        current = self.control.currentText()
-        self.control.clear()
-        self.control.addItems(["default", *controls])
+        current = self.output_control.currentText()
+        self.output_control.clear()
+        self.output_control.addItems(["default", *controls])
         if current in controls:
-            self.control.setCurrentText(current)
+            self.output_control.setCurrentText(current)
 
     def set_loaded(self, text: str) -> None:
         self.loaded_label.setText(text)
 
     def options(self) -> dict[str, Any]:
-        control = self.control.currentText()
+        control = self.output_control.currentText()
         return {
             "method": self.method.currentText(),
             "absorb": self.absorb.currentText(),

@@ -38,7 +38,7 @@ def _open(qtbot: Any, keep: Any, settings: Any, steps: int, asked: int = N) -> M
     w.show()
     prompt = Prompt((Segment("context", "CTX ", (1,)), Segment("query", "Q?", (2,))))
     w.state.reset(RunStarted(settings={"max_new_tokens": asked, "absorb": "context"},
-                             prompt=prompt, layers=(0, 1, 2), num_layers=3, control="matrix",
+                             prompt=prompt, layers=(0, 1, 2), num_layers=3, output_control="matrix",
                              model={}))
     for i in range(steps):
         w.state.add_step(_step(i))

@@ -46,7 +46,7 @@ def window(qtbot: Any, keep: Any, settings: Any) -> MainWindow:
     w.show()
     prompt = Prompt((Segment("context", "CTX ", (1,)), Segment("query", "Q?", (2,))))
     w.state.reset(RunStarted(settings={"max_new_tokens": len(TEXTS), "absorb": "context"},
-                             prompt=prompt, layers=(0, 1, 2), num_layers=3, control="matrix",
+                             prompt=prompt, layers=(0, 1, 2), num_layers=3, output_control="matrix",
                              model={}))
     for i in range(len(TEXTS)):
         w.state.add_step(_step(i))

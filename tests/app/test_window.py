@@ -190,7 +190,7 @@ def test_placement_offloads_to_disk_and_stays_exact(qtbot: Any, window: MainWind
     assert not panel.device.isEnabled() and panel.max_memory.isEnabled()
     panel.max_memory.setText("cpu=12parsecs")
     assert _run(qtbot, window) == "failed"
-    assert "malformed --max-memory" in window.last_error
+    assert "malformed 'max memory'" in window.last_error  # the window names its control
     panel.max_memory.setText("cpu=120KB")
     panel.offload_folder.setText(str(tmp_path / "offload"))
     assert _run(qtbot, window) == "completed", window.last_error

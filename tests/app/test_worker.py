@@ -24,7 +24,7 @@ def _record(worker: Worker) -> list[tuple[str, Any]]:
 
 def _started() -> RunStarted:
     return RunStarted(settings={"max_new_tokens": 3}, prompt=None, layers=(0,), num_layers=1,
-                      control="scale", model={})
+                      output_control="scale", model={})
 
 
 def _run(qtbot: Any, job: Any) -> list[tuple[str, Any]]:

@@ -45,7 +45,8 @@ def test_the_api_record_equals_the_command_line_s(folder: Path, tmp_path: Path) 
     cli = json.loads(out.read_text())
     api = run.to_dict()  # (the API keeps the patches by default, as --save-patches does)
     assert comparable_record(api) == comparable_record(cli)
-    assert "wall" in cli["summary"]["seconds"] and api["settings"]["keep_patches"]
+    assert "wall" in cli["summary"]["seconds"] and run.spec.keep_patches
+    assert "keep_patches" not in api["settings"]  # what a front end keeps: not a result
     assert run.steps[0].patched.match and len(run.steps) == 3
 
 
@@ -59,10 +60,17 @@ def test_reproduce_s_records_are_the_api_s(folder: Path, tmp_path: Path) -> None
     said: list[str] = []
     saved = ex.run_grid(str(folder), tmp_path, jobs, 2, say=said.append)["float32-direct-p1"]
     api = ctxpatch.compare(str(folder), absorb="all", query=ex.PAPER_PROMPTS[0],
-                           max_new_tokens=2, keep_patches=False).to_dict()
+                           max_new_tokens=2).to_dict()  # keeps its patches
     saved.pop("max_abs_scale_patch")
     assert comparable_record(saved) == comparable_record(api)
     assert "chat_template" in saved["settings"] and "wall" in saved["summary"]["seconds"]
+    ex.run_grid(str(folder), tmp_path, jobs, 2, say=said.append)
+    assert "reusing" in said[-1]
+    # a record from before an option existed (no key: its default) is still this run's
+    path = next(tmp_path.rglob("float32-direct-p1*.json"))
+    older = json.loads(path.read_text())
+    del older["settings"]["on_fault"]
+    path.write_text(json.dumps(older))
     ex.run_grid(str(folder), tmp_path, jobs, 2, say=said.append)
     assert "reusing" in said[-1]
     ex.run_grid(str(folder), tmp_path, jobs, 3, say=said.append)  # another token count

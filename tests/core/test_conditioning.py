@@ -5,6 +5,11 @@ logit scale."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from ctxpatch.core.compare import RunSpec, iter_token_patches
@@ -142,3 +147,30 @@ def test_the_patch_sizes_a_step_shows_are_measured_in_float64(dtype: torch.dtype
                 assert math.isclose(n["entry_ratio"], top / float(p.abs().max()), rel_tol=1e-6)
                 checked += 1
     assert checked >= 8 * len(steps)
+
+
+def test_a_patched_bias_of_zeros_reports_no_ratio(tmp_path: Path) -> None:
+    """A patch of an all-zero bias has no entry ratio (infinite; the record stores null): the
+    command line still prints its conditioning line, and the record validates (issue 36 #27)."""
+    from ctxpatch.app.cli import main
+    from ctxpatch.core.controllability import conditioning_line
+    from ctxpatch.core.record import check_record
+    from tiny import tiny_config
+
+    config = tiny_config("starcoder2")
+    loaded = tiny_loaded(config, dtype=torch.float32)
+    for block in loaded.model.model.layers:
+        torch.nn.init.zeros_(block.mlp.c_proj.bias)
+    loaded.model.save_pretrained(tmp_path / "m")
+    loaded.tokenizer.save_pretrained(tmp_path / "m")
+    out = tmp_path / "run.json"
+    err = io.StringIO()
+    with contextlib.redirect_stdout(err), contextlib.redirect_stderr(err):
+        assert main(["compare", "--model", str(tmp_path / "m"), "--context", "a b c",
+                     "--query", "d e", "--max-new-tokens", "2", "--output-control", "bias",
+                     "--json", str(out)]) == 0
+    assert "largest patch entry without a ratio" in err.getvalue()
+    record = json.loads(out.read_text())
+    assert record["summary"]["conditioning"]["max_entry_ratio"] is None
+    check_record(record)
+    assert "without a ratio" in conditioning_line({"max_entry_ratio": float("nan")})

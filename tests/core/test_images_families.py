@@ -163,7 +163,7 @@ def test_saved_patches_verify_with_the_image(loaded, folder, picture, scope, tmp
             del step[key]
     broken = verify_patches(loaded, pf, pixels=pixels)
     assert max(c.linf / c.scale for c in broken) > 1e-3
-    with pytest.raises(UserError, match="pass --image"):
+    with pytest.raises(UserError, match="pass image="):
         verify_patches(loaded, pf)
 
 

@@ -98,10 +98,11 @@ def test_patches_from_an_offloaded_run_verify(pair, tmp_path: Path) -> None:  # 
 
 
 def test_placement_errors(folder: Path, tmp_path: Path) -> None:
-    with pytest.raises(UserError, match="malformed --max-memory"):
+    with pytest.raises(UserError, match="malformed max_memory") as info:  # worded as in Python
         parse_max_memory(["cpu:8GiB"])
+    assert info.value.words("cli").startswith("malformed --max-memory 'cpu:8GiB'")
     assert parse_max_memory(["cpu=1.5KiB", "cuda:1=2GB"]) == {"cpu": 1536, 1: 2 * 10**9}
-    with pytest.raises(UserError, match="need --device-map"):
+    with pytest.raises(UserError, match="need device_map"):
         load_model(str(folder), placement=Placement(None, {"cpu": 10}))
     # a checkpoint whose tensors load as stored offloads to disk in place (read from the
     # safetensors, no folder); one that is converted on loading (Mixtral's fused experts)
@@ -110,7 +111,8 @@ def test_placement_errors(folder: Path, tmp_path: Path) -> None:
         placed = load_model(str(folder), dtype="float64",
                             placement=Placement("auto", {"cpu": 100_000}))
     except UserError as exc:
-        assert "give --offload-folder DIR" in str(exc) and "mixtral" in str(folder)
+        assert "give --offload-folder DIR" in exc.words("cli") and "mixtral" in str(folder)
+        assert "give offload_folder=..." in str(exc)
     else:
         assert "disk" in placed.model.hf_device_map.values() and "gemma3" in str(folder)
     with pytest.raises(UserError, match="even offload cannot fit"):

@@ -199,3 +199,28 @@ def test_the_plan_names_one_strategy(family: str, options: dict[str, str], strat
     run = RunSpec(max_new_tokens=1, **options)
     prompt = build_prompt(loaded.tokenizer, "" if run.absorb == "all" else "Alice.", QUERY)
     assert RunPlan.build(loaded, prompt, run).strategy == strategy
+
+
+def test_messages_name_options_as_each_front_end_does(tmp_path: Path) -> None:
+    """Core names an option once (`mention`); the command line says the flag, Python the
+    keyword, the window its control."""
+    from ctxpatch.core.errors import mention
+
+    e = UserError(f"pass {mention('allow_pickle')}; use {mention('device', 'cpu')}; "
+                  f"{mention('control', False)}; give {mention('image', metavar='FILE')}")
+    assert str(e) == "pass allow_pickle=True; use device='cpu'; control=False; give image=..."
+    assert e.words("cli") == ("pass --allow-pickle; use --device cpu; --no-control; "
+                              "give --image FILE")
+    assert e.words("window").startswith("pass 'Allow pickles'; use 'Device': cpu")
+    # a real refusal through both front ends: pickled weights only
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    (folder / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(ctxpatch.OptionError) as info:
+        ctxpatch.compare(str(folder), context="a", query="b")
+    assert "allow_pickle=True" in str(info.value) and "--allow-pickle" not in str(info.value)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["compare", "--model", str(folder), "--context", "a", "--query", "b"]) == 2
+    assert "--allow-pickle" in err.getvalue() and "allow_pickle=True" not in err.getvalue()
