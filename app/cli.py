@@ -8,9 +8,11 @@ output only to stdout. Qt is imported only to open the window.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -212,7 +214,7 @@ def run_compare(args: argparse.Namespace) -> int:
     picture = prepare(run)
     check_outputs({"--json": args.json, "--csv": args.csv, "--save-patches": args.save_patches,
                    "--report": args.report}, _inputs(args), text=("--json", "--csv"))
-    check_report(args.report)
+    check_report(args.report, _inputs(args))
     loaded = _load(run, say)
     prompt = prompt_of(loaded, run, picture)
     plan = RunPlan.build(loaded, prompt, run)
@@ -254,7 +256,8 @@ def run_compare(args: argparse.Namespace) -> int:
         from .report import write_report
 
         report = Path(args.report)
-        write_report(read_record(record), report, report.with_name(f"{report.stem}_plots"))
+        write_report(read_record(record), report, report.with_name(f"{report.stem}_plots"),
+                     _inputs(args))
         say(f"wrote the report {report} and its plots in {report.stem}_plots/")
     if STDOUT not in (args.json, args.csv):  # stdout carries only the data asked for
         summary = summarize(steps)
@@ -358,6 +361,43 @@ def _open_window(args: argparse.Namespace) -> int:
     return run_app(args)
 
 
+def _command(args: argparse.Namespace) -> int:
+    if args.command == "compare":
+        return run_compare(args)
+    if args.command == "verify":
+        return run_verify(args)
+    if args.command == "bench":
+        return run_bench(args)
+    from .reproduce import run as run_reproduce
+
+    for d in args.dtypes.split(","):
+        if d not in DTYPES:
+            raise UserError(f"unknown dtype {d!r} in --dtypes: use float32, bfloat16, "
+                            "float16 or float64, separated by commas")
+    return run_reproduce(args, _Progress(False))
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised as Ctrl+C is, so that a command's cleanup runs (temporaries removed,
+    an output whole or absent) before it exits with status 143."""
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    def stop(signum: int, frame: Any) -> None:
+        raise Terminated
+
+    try:
+        old = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread: leave the signal alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -365,27 +405,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, or a bad option (already printed)
         return exc.code if isinstance(exc.code, int) else 2
     try:
-        if args.command == "compare":
-            return run_compare(args)
-        if args.command == "verify":
-            return run_verify(args)
-        if args.command == "bench":
-            return run_bench(args)
-        if args.command == "reproduce":
-            from .reproduce import run as run_reproduce
-
-            for d in args.dtypes.split(","):
-                if d not in DTYPES:
-                    raise UserError(f"unknown dtype {d!r} in --dtypes: use float32, bfloat16, "
-                                    "float16 or float64, separated by commas")
-            return run_reproduce(args, _Progress(False))
-        return _open_window(args)
+        if args.command is None:
+            return _open_window(args)
+        with _terminate_as_interrupt():
+            return _command(args)
     except UserError as exc:
         print(f"ctxpatch: error: {exc.words('cli')}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         print("ctxpatch: interrupted", file=sys.stderr)
-        return 130
+        return 143 if isinstance(exc, Terminated) else 130
     except BrokenPipeError:  # the reader went away (`ctxpatch ... | head -1`): not an error
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush stays quiet

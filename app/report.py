@@ -13,7 +13,8 @@ import html
 import os
 import shutil
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -390,43 +391,85 @@ def _data_uri(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
-def write_report(run: RunRecord, path: str | Path,
-                 plot_dir: str | Path | None = None) -> list[Path]:
+def write_report(run: RunRecord, path: str | Path, plot_dir: str | Path | None = None,
+                 inputs: Sequence[str | None] = ()) -> list[Path]:
     """Write the report as HTML, or PDF when ``path`` ends in .pdf; with ``plot_dir``, also
-    every plot as PNG and SVG there. Returns the files written (all writes are atomic)."""
-    from ..core.export import atomic_write, write_text
+    every plot as PNG and SVG there. Returns the files written.
+
+    Everything is made first in temporaries beside the report, then moved into place with
+    Ctrl+C and SIGTERM held: an interrupted report leaves the whole output or none of it (and
+    any previous report and plots as they were). ``inputs``: the run's files, which the plots
+    must not replace (`core.outputs.check_report`)."""
+    from ..core.export import signals_held
+    from ..core.outputs import check_report
 
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():  # (the plots' folder beside it must not create it silently)
         raise UserError(f"cannot write {path}: folder {parent} does not exist")
+    check_report(str(path), inputs)
     images = plot_images(run)
-    written = [path]
-    if plot_dir is not None:
-        folder = Path(plot_dir)
-        if folder.exists() and not folder.is_dir():
-            raise UserError(f"cannot write the plots into {folder}: a file has that name")
-        created = not folder.exists()
-        folder.mkdir(parents=True, exist_ok=True)
-        try:
+    thumb = thumbnail(run)
+    try:
+        staged = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent))
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
+    folder = None if plot_dir is None else Path(plot_dir)
+    try:
+        plots: list[str] = []
+        if folder is not None:
+            if folder.exists() and not folder.is_dir():
+                raise UserError(f"cannot write the plots into {folder}: a file has that name")
+            (staged / "plots").mkdir()
             for name, (png, svg) in images.items():
                 for ext, data in (("png", png), ("svg", svg)):
-                    target = folder / f"{name.replace('/', '-')}.{ext}"
-                    atomic_write(target, lambda tmp, data=data: Path(tmp).write_bytes(data))
-                    written.append(target)
-        except BaseException:  # a half-written plots folder of ours goes (a user's stays)
-            if created:
-                shutil.rmtree(folder, ignore_errors=True)
-            raise
-    thumb = thumbnail(run)
-    if path.suffix.lower() == ".pdf":
-        atomic_write(path, lambda tmp: _write_pdf(run, images, tmp, thumb))
-    else:
-        uris = {name: _data_uri(png) for name, (png, _) in images.items()}
-        if thumb is not None:
-            uris[THUMBNAIL] = _data_uri(thumb)
-        write_text(path, report_html(run, uris))
-    return written
+                    plots.append(f"{name.replace('/', '-')}.{ext}")
+                    (staged / "plots" / plots[-1]).write_bytes(data)
+        body = staged / "report"
+        if path.suffix.lower() == ".pdf":
+            _write_pdf(run, images, str(body), thumb)
+        else:
+            uris = {name: _data_uri(png) for name, (png, _) in images.items()}
+            if thumb is not None:
+                uris[THUMBNAIL] = _data_uri(thumb)
+            body.write_text(report_html(run, uris), encoding="utf-8", newline="")
+        with signals_held():
+            _commit(staged, folder, plots, path)
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+    return [path, *(folder / p for p in plots if folder is not None)]
+
+
+def _commit(staged: Path, folder: Path | None, plots: Sequence[str], path: Path) -> None:
+    """Move the staged plots and report into place; on a failure midway, undo what was moved
+    (a previous report's plots come back), so the outputs are whole or as they were."""
+    from ..core.export import install
+
+    undo: list[Callable[[], None]] = []
+    try:
+        if folder is not None and not folder.exists():  # a new folder: one rename
+            os.rename(staged / "plots", folder)
+            undo.append(lambda: os.rename(folder, staged / "plots"))
+        elif folder is not None:  # the user's folder: our files replaced, anything else kept
+            (staged / "old").mkdir()
+            for name in plots:
+                final, old = folder / name, staged / "old" / name
+                if final.exists():
+                    os.replace(final, old)
+                    undo.append(lambda final=final, old=old: os.replace(old, final))
+                else:
+                    undo.append(lambda final=final: final.unlink(missing_ok=True))
+                install(staged / "plots" / name, final)
+        install(staged / "report", path)
+    except BaseException:
+        for step in reversed(undo):
+            try:
+                step()
+            except OSError:
+                pass
+        raise
 
 
 def report_document(run: RunRecord, images: dict[str, tuple[bytes, bytes]],

@@ -6,13 +6,16 @@ it, so a crash or a cancel mid-write never leaves a half-written file.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import math
 import os
+import signal
+import stat
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +30,47 @@ PATCHES_FORMAT = "ctxpatch-patches/2"  # /2: float64 tensors for float64 runs, c
 PATCHES_FORMATS = ("ctxpatch-patches/1", PATCHES_FORMAT)  # what `verify` reads
 
 
+def _mode_for(target: Path) -> int:
+    """The mode a rewritten file keeps (a private 0600 file stays private); a new file gets a
+    normal file's mode under the umask."""
+    try:
+        return stat.S_IMODE(os.stat(target).st_mode)
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def _real_target(path: str | Path) -> Path:
+    """What a write of ``path`` replaces: the file a symlink points to (the link stays)."""
+    return Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
+
+
+def install(tmp: str | Path, path: str | Path) -> None:
+    """Move a finished temporary file (in the target's folder) over ``path``, keeping the
+    target's mode and following a symlink."""
+    target = _real_target(path)
+    os.chmod(tmp, _mode_for(target))  # mkstemp makes it private
+    os.replace(tmp, target)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Ctrl+C and SIGTERM wait until the block ends (a few renames that make an output whole),
+    so that an interrupted command leaves the whole output or none of it."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
-    """Call ``write(tmp_path)`` then move the temporary file over ``path``."""
-    target = Path(path)
+    """Call ``write(tmp_path)`` then move the temporary file over ``path``. A symlink is followed
+    (the file it points to is replaced and the link stays, as a shell's ``>`` does); the
+    target's mode is kept."""
+    target = _real_target(path)
     parent = target.parent if str(target.parent) else Path(".")
     if not parent.is_dir():
         raise UserError(f"cannot write {path}: folder {parent} does not exist")
@@ -40,10 +81,7 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
     os.close(fd)
     try:
         write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; give it a normal file's mode
-        os.replace(tmp, target)
+        install(tmp, target)
     except OSError as exc:
         raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
     except Exception as exc:  # noqa: BLE001 - safetensors reports a full disk as its own error

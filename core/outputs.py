@@ -76,16 +76,30 @@ def check_outputs(outputs: Mapping[str, str | None], inputs: Iterable[str | None
             raise UserError(f"cannot write {path}: it is not a regular file (a pipe or a device)")
 
 
-def check_report(path: str | None) -> Path | None:
+#: what a report is written as, by its suffix (anything else is refused, not written as HTML)
+REPORT_SUFFIXES = (".html", ".htm", ".pdf")
+
+
+def check_report(path: str | None, inputs: Iterable[str | None] = ()) -> Path | None:
     """The report's plots folder (``NAME_plots`` beside it), refused before any work when it
-    exists as a file; None when no report is asked for."""
+    exists as a file or holds an input of the run (the plots would replace it), or when the
+    report's name is not .html or .pdf; None when no report is asked for."""
     if path is None:
         return None
     report = Path(path)
+    if report.suffix.lower() not in REPORT_SUFFIXES:
+        raise UserError(f"the report {path} must end in .html or .pdf (it is written as one of "
+                        "those): rename it")
     plots = report.with_name(f"{report.stem}_plots")
     if plots.exists() and not plots.is_dir():
         raise UserError(f"cannot write the report's plots into {plots}: a file has that name "
                         "(move it, or name the report differently)")
+    folder = _real(plots)
+    for source in (p for p in inputs if p and os.path.exists(os.path.expanduser(p))):
+        real = _real(source)
+        if _inside(real, folder):
+            raise UserError(f"the report's plots go into {plots}, which would overwrite {source}"
+                            ", which this run reads: name the report differently")
     return plots
 
 

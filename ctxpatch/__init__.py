@@ -144,14 +144,18 @@ class Run:
     def report(self, path: str | Path) -> list[Path]:
         """The HTML report, or PDF when ``path`` ends in .pdf, with its plots beside it (drawn
         by the window's report writer: Qt is imported here, and only here)."""
-        from .core.outputs import check_report
+        from .core.outputs import check_report, run_inputs
         from .core.record import read_record
 
         self._check(path)
-        plots = check_report(str(path))
+        inputs = run_inputs(self.spec.model, self.spec.image)
+        try:
+            plots = check_report(str(path), inputs)
+        except UserError as exc:
+            raise OptionError(str(exc)) from None
         from .app.report import write_report
 
-        return write_report(read_record(self.record), path, plots)
+        return write_report(read_record(self.record), path, plots, inputs)
 
     def to_frame(self) -> Any:
         """One row per step (the CSV's columns) as a pandas DataFrame (pandas must be

@@ -301,18 +301,18 @@ def test_reproduce_refuses_a_sweep_beyond_the_model(capsys, folder: Path, tmp_pa
 
 def test_the_data_is_written_before_the_report(capsys, folder: Path, tmp_path: Path,  # type: ignore[no-untyped-def]
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """A report that fails late (here: its plots) loses nothing: the run JSON, the CSV and the
-    patches are already written, and the half-written plots folder is removed."""
+    """A report that fails late (here: its last move) loses nothing: the run JSON, the CSV and
+    the patches are already written, and the plots moved into place are taken back."""
     from ctxpatch.core import export as core_export
 
-    real_atomic = core_export.atomic_write
+    real_install = core_export.install
 
-    def full_disk_in_the_plots(path, write):  # type: ignore[no-untyped-def]
-        if Path(path).parent.name == "r_plots":
+    def full_disk_in_the_plots(tmp, path):  # type: ignore[no-untyped-def]
+        if Path(path).name == "r.html":  # the last move, once the plots are in place
             raise OSError(28, "No space left on device")
-        return real_atomic(path, write)
+        return real_install(tmp, path)
 
-    monkeypatch.setattr(core_export, "atomic_write", full_disk_in_the_plots)
+    monkeypatch.setattr(core_export, "install", full_disk_in_the_plots)
     code = main(["compare", "--model", str(folder), *CASE, "--quiet",
                  "--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv"),
                  "--save-patches", str(tmp_path / "p.safetensors"),
