@@ -194,12 +194,9 @@ def _inputs(args: argparse.Namespace, *more: str | None) -> list[str | None]:
 
 
 def _load(run: Any, say: _Progress) -> Any:
-    from transformers.utils import logging as hf_logging
-
     from ..core.runs import load
 
-    hf_logging.disable_progress_bar()  # our own progress lines stand in for tqdm's bars
-    return load(run, progress=say)
+    return load(run, progress=say)  # (our progress lines; transformers' bars held back)
 
 
 def run_compare(args: argparse.Namespace) -> int:

@@ -50,13 +50,10 @@ def load_job(spec: str, dtype: str, device: str,
     """Load a model; ``placement``: the device map, max memory and offload folder as typed."""
 
     def job(should_stop: StopFn, progress: ProgressFn) -> Iterator[Any]:
-        from transformers.utils import logging as hf_logging
-
         from ..core.loading import load_model
         from ..core.placement import Placement
         from ..core.prompt import has_chat_template
 
-        hf_logging.disable_progress_bar()
         start = time.perf_counter()
         progress(f"Loading {spec}…", 0, 0)
         loaded = load_model(spec, dtype=dtype, device=device, progress=progress,

@@ -88,12 +88,9 @@ def run_grid(model: str, out: Path, jobs: Sequence[Job], tokens: int, device: st
              image: str | None = None) -> dict[str, dict[str, Any]]:
     """Run (or reuse) every job; returns {job name: record}. Image jobs put ``image`` in the
     context of a chat-template prompt (the model's processor makes its tokens)."""
-    from transformers.utils import logging as hf_logging
-
     from .export import write_json
     from .runs import compare, load, prepare
 
-    hf_logging.disable_progress_bar()  # one progress line per run instead
     runs_dir = out / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     records: dict[str, dict[str, Any]] = {}

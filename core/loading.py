@@ -236,6 +236,15 @@ def _convert_demo(spec: str, folder: Path, step: Callable[[str, int], None],
     return folder
 
 
+def _needs_trust(source: str, part: str = "") -> UserError:
+    return UserError(f"{source} ships its own {part}code, which runs only if you trust it: pass "
+                     f"{mention('trust_remote_code')}")
+
+
+#: the weight files transformers loads from a folder in safetensors (sharded: the index)
+SAFE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+
+
 def checked_from_pretrained(auto: Any, what: str, source: str, **kwargs: Any) -> Any:
     """``auto.from_pretrained(source, **kwargs)``, refused when transformers reports weights that
     are missing (they would be left at random values), unexpected or of the wrong shape."""
@@ -287,9 +296,7 @@ def load_config(source: str, local_only: bool, trust_remote_code: bool = False) 
             )
         except ValueError as exc:  # e.g. a model_type transformers does not know
             if "custom code" in str(exc) or "trust_remote_code" in str(exc):
-                raise UserError(
-                    f"{source} ships its own model code, which runs only if you trust it: pass "
-                    f"{mention('trust_remote_code')}") from None
+                raise _needs_trust(source, "model ") from None
             raise UserError(f"cannot read the config of {source}: {exc}".splitlines()[0]) from None
         except (OSError, KeyError) as exc:
             config_file = Path(source) / "config.json"
@@ -302,6 +309,27 @@ def load_config(source: str, local_only: bool, trust_remote_code: bool = False) 
         + ("" if local_only or os.environ.get("HF_HUB_OFFLINE") else ", and not downloadable")
         + f" ({type(last).__name__})"
     )
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' load reports, warnings and progress bars held back for the block (a
+    problem is reported here in one line, with our own progress), restored after;
+    ``CTXPATCH_DEBUG=1`` lets them through."""
+    if os.environ.get("CTXPATCH_DEBUG"):
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def load_model(
@@ -329,6 +357,14 @@ def load_model(
         placement: accelerate's device map, memory limits and offload folder (``device``
             is then decided by the map: where the embedding runs).
     """
+    with quiet_transformers():  # transformers' own reports and bars held back
+        return _load_model(spec, dtype, device, progress, should_stop, trust_remote_code,
+                           allow_pickle, placement)
+
+
+def _load_model(spec: str, dtype: str, device: str, progress: ProgressFn | None,
+                should_stop: Callable[[], bool] | None, trust_remote_code: bool,
+                allow_pickle: bool, placement: Placement | None) -> LoadedModel:
     torch_dtype = resolve_dtype(dtype)
     placement = placement or Placement()
     placement.validate()
@@ -356,13 +392,14 @@ def load_model(
     if local_only or os.environ.get("HF_HUB_OFFLINE"):
         kwargs["local_files_only"] = True
     folder = Path(source)
-    if folder.is_dir() and not any(folder.glob("*.safetensors")):
+    if folder.is_dir() and not any((folder / n).is_file() for n in SAFE_WEIGHTS):
+        # what transformers loads, not any *.safetensors (a patches file saved there)
         pickled = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
         if pickled and not allow_pickle:
             raise UserError(f"{spec} has only pickled weights ({pickled[0]}), which can run code "
                             "when loaded: convert them to safetensors, or pass "
                             f"{mention('allow_pickle')} if you trust this model")
-    if not folder.is_dir() and not allow_pickle:
+    if not allow_pickle:  # transformers itself then never unpickles weights
         kwargs["use_safetensors"] = True
     kwargs.update(placement.kwargs())
     if torch_dtype == torch.float64 and ("experts" in adapter.output_controls or getattr(
@@ -382,13 +419,24 @@ def load_model(
         )
     except Exception as exc:  # noqa: BLE001 - a damaged file is the user's to fix
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if type(exc).__name__ == "UnpicklingError" and "weights only" in str(exc).lower():
+            raise UserError(f"the pickled weights of {spec} hold objects that PyTorch's safe "
+                            "loading refuses (code, not only tensors): do not load them; get "
+                            "the model as safetensors from a source you trust") from None
         if type(exc).__name__ in ("SafetensorError", "HeaderTooLarge", "UnpicklingError"):
             raise UserError(f"the weights of {spec} are damaged or incomplete ({first}): "
                             "download or save the model again") from None
+        if isinstance(exc, ValueError) and ("custom code" in str(exc)
+                                            or "trust_remote_code" in str(exc)):
+            raise _needs_trust(spec, f"{stage} ") from None
         if stage != "weights" and isinstance(exc, OSError | ValueError | KeyError | TypeError):
             raise UserError(f"cannot read the {stage} of {spec} ({type(exc).__name__}: {first}): "
                             f"its {stage} files are damaged or incomplete; download or save the "
                             "model again") from None
+        if isinstance(exc, RuntimeError) and "mismatched_sizes" in str(exc):
+            raise UserError(f"the config of {spec} does not match its weights (tensors of "
+                            "other shapes than config.json gives): the config belongs to "
+                            "another model; download or save the model again") from None
         if not isinstance(exc, OSError | ValueError):
             raise
         raise no_fit(exc) or UserError(f"cannot load {spec}: {first}") from None

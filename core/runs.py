@@ -8,6 +8,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .compare import iter_token_patches
@@ -38,11 +39,55 @@ def prepare(spec: RunSpec) -> Any:
     loads); returns the picture (`core.images.read_image`) or None."""
     spec.validate()
     check_request(spec)
+    check_length_early(spec)
     if spec.image is None:
         return None
     from .images import read_image
 
     return read_image(spec.image)
+
+
+#: tokens a chat template or an image may encode the same text in fewer of (an early refusal
+#: must never refuse a prompt that fits: the exact check follows the load)
+_SLACK = 16
+
+
+def check_length_early(spec: RunSpec) -> None:
+    """An over-long prompt of a local model refused before its weights load: the context's and
+    the query's tokens alone (from the tokenizer, as `core.prompt.build_prompt` encodes them)
+    against the config's positions. Only where the text could be too long (a token is at least
+    one byte); any problem reading the files is left to the load, which reports it."""
+    import json
+
+    from .footprint import DEMOS, demo_folder
+
+    folder = Path(demo_folder(spec.model) if spec.model in DEMOS else spec.model).expanduser()
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        text = config.get("text_config") or config
+        limit = int(next(v for v in (text.get(k) for k in ("max_position_embeddings",
+                                                           "n_positions")) if v))
+    except (OSError, ValueError, TypeError, StopIteration, AttributeError):
+        return
+    if len((spec.context + spec.query).encode("utf-8")) + spec.max_new_tokens <= limit:
+        return
+    try:
+        from transformers import AutoTokenizer
+
+        from .loading import quiet_transformers
+        from .prompt import CONTEXT_SEPARATOR, _encode
+
+        with quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
+                                                      trust_remote_code=spec.trust_remote_code)
+        context = spec.context + CONTEXT_SEPARATOR if spec.context else ""
+        n = len(_encode(tokenizer, context)) + len(_encode(tokenizer, spec.query))
+    except Exception:  # noqa: BLE001 - the load reads these files again and says what is wrong
+        return
+    if n - _SLACK + spec.max_new_tokens > limit:
+        raise UserError(f"input too long: at least {n} prompt tokens + {spec.max_new_tokens} new "
+                        f"tokens exceed the model's {limit} positions (shorten the context or "
+                        "generate fewer tokens)")
 
 
 def load(spec: RunSpec, progress: Callable[[str, int, int], None] | None = None,

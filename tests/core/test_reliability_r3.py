@@ -160,3 +160,108 @@ def test_sigterm_leaves_the_whole_report_or_none(model: Path, tmp_path: Path) ->
         # command began, or after its outputs were whole)
         assert child.returncode in (0, 143, -signal.SIGTERM), (child.returncode, err)
         assert files(out) in ([], complete), (fraction, child.returncode, files(out))
+
+
+# -- loading (cases 9, 13, 23, 24, 26) -------------------------------------------------------
+def _variant(model: Path, tmp_path: Path, name: str) -> Path:
+    out = tmp_path / name
+    shutil.copytree(model, out)
+    return out
+
+
+def _one_line(capsys: Any) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err  # no transformers report, no bar, no traceback
+    return err
+
+
+def test_pickled_weights_need_the_flag_whatever_else_is_in_the_folder(
+        model: Path, tmp_path: Path, capsys: Any) -> None:
+    """Case 9: a patches file saved in the folder used to let pytorch_model.bin load unasked:
+    the refusal looked at the folder, not at what transformers loads."""
+    import torch
+    from safetensors.torch import load_file
+
+    folder = _variant(model, tmp_path, "pickled")
+    weights = load_file(folder / "model.safetensors")
+    torch.save(weights, folder / "pytorch_model.bin")
+    (folder / "model.safetensors").rename(folder / "patches.safetensors")
+    assert main(_compare(folder)) == 2
+    assert "only pickled weights (pytorch_model.bin)" in _one_line(capsys)
+    assert main(_compare(folder, "--allow-pickle")) == 0
+
+
+def test_a_malicious_pickle_is_named_as_such(model: Path, tmp_path: Path, capsys: Any) -> None:
+    """Case 24: weights-only loading stops a pickle that runs code; it was called "damaged",
+    with PyTorch's advice to set weights_only=False."""
+    import torch
+
+    class Payload:
+        def __reduce__(self) -> Any:
+            return (os.system, (f"touch {tmp_path / 'ran'}",))
+
+    folder = _variant(model, tmp_path, "evil")
+    (folder / "model.safetensors").unlink()
+    torch.save({"x": Payload()}, folder / "pytorch_model.bin")
+    assert main(_compare(folder, "--allow-pickle")) == 2
+    err = _one_line(capsys)
+    assert "refuses (code, not only tensors)" in err and "weights_only" not in err
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_tokenizer_with_its_own_code_asks_for_trust(model: Path, tmp_path: Path,
+                                                      capsys: Any) -> None:
+    """Case 24: a tokenizer with auto_map code was called "damaged or incomplete"."""
+    import json
+
+    folder = _variant(model, tmp_path, "own_tokenizer")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update(auto_map={"AutoTokenizer": ["tok.MyTokenizer", None]},
+                  tokenizer_class="MyTokenizer")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "tok.py").write_text("from transformers import PreTrainedTokenizerFast\n\n\n"
+                                   "class MyTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    assert main(_compare(folder)) == 2
+    assert "ships its own tokenizer code" in _one_line(capsys)
+
+
+@pytest.mark.parametrize("change", [{"intermediate_size": 128}, {"hidden_size": 10**9}])
+def test_a_config_that_does_not_match_the_weights(model: Path, tmp_path: Path, capsys: Any,
+                                                  change: dict[str, int]) -> None:
+    """Case 13: a transformers table, then "internal error: RuntimeError: You set
+    `ignore_mismatched_sizes` to `False`"."""
+    import json
+
+    folder = _variant(model, tmp_path, "mismatch")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    assert main(_compare(folder)) == 2
+    assert "does not match its weights" in _one_line(capsys)
+
+
+def test_a_missing_tensor_is_one_line_without_the_load_report(model: Path, tmp_path: Path,
+                                                              capsys: Any) -> None:
+    """Case 23: the one-line refusal came after transformers' 7-line load table."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _variant(model, tmp_path, "missing")
+    weights = load_file(folder / "model.safetensors")
+    weights.pop(next(k for k in weights if "down_proj" in k))
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    assert main(_compare(folder)) == 2
+    assert "lacks model.layers.0.mlp.down_proj.weight" in _one_line(capsys)
+
+
+def test_an_over_long_prompt_is_refused_before_the_weights_load(
+        model: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Case 26: the tokenizer alone knows the length; the weights are never read."""
+    from ctxpatch.core import loading
+
+    def never(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(loading, "_load_model", never)
+    argv = _compare(model)
+    argv[argv.index("--context") + 1] = " ".join(["a"] * 3000)  # 512 positions
+    assert main(argv) == 2
+    assert "input too long: at least" in _one_line(capsys)
