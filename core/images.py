@@ -13,6 +13,8 @@ import functools
 import hashlib
 import io
 import itertools
+import os
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -111,6 +113,37 @@ MAX_PIXELS = 7680 * 7680
 MAX_IMAGE_BYTES = 256 * 1024 * 1024
 
 
+def _read_file(p: Path, path: str) -> bytes:
+    """A regular file's bytes, opened without blocking (a pipe swapped in after a check never
+    hangs the caller) and checked as opened; a read error is one line."""
+    not_file = (f"{path} is not a file (a pipe or a device): give a PNG, JPEG, WebP or GIF "
+                "file")
+    if not p.is_file():
+        raise UserError(not_file)
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UserError(not_file)
+        if info.st_size > MAX_IMAGE_BYTES:
+            raise UserError(f"{path} is larger than {MAX_IMAGE_BYTES >> 20} MB: give a smaller "
+                            "picture")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(MAX_IMAGE_BYTES + 1)
+    except OSError as exc:  # e.g. /proc/self/mem: a regular file that cannot be read
+        raise UserError(f"cannot read {path} ({exc.strerror or exc}): give a PNG, JPEG, WebP "
+                        "or GIF file") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_IMAGE_BYTES:  # (grew while read)
+        raise UserError(f"{path} is larger than {MAX_IMAGE_BYTES >> 20} MB: give a smaller "
+                        "picture")
+    return data
+
+
 def read_image(path: str | Path) -> tuple[Any, ImageInfo]:
     """Decode a PNG, JPEG, WebP or GIF (first frame) into an RGB Pillow image.
 
@@ -127,12 +160,7 @@ def read_image(path: str | Path) -> tuple[Any, ImageInfo]:
         raise UserError(f"no such image file: {path}")
     if p.is_dir():
         raise UserError(f"{path} is a folder, not an image: give a PNG, JPEG, WebP or GIF file")
-    if not p.is_file():
-        raise UserError(f"{path} is not a file (a pipe or a device): give a PNG, JPEG, WebP or "
-                        "GIF file")
-    if p.stat().st_size > MAX_IMAGE_BYTES:
-        raise UserError(f"{path} is larger than {MAX_IMAGE_BYTES >> 20} MB: give a smaller picture")
-    data = p.read_bytes()  # read once: hashed, then decoded
+    data = _read_file(p, str(path))  # read once: hashed, then decoded
     try:
         with warnings.catch_warnings():  # Pillow's warnings become our one line, not stderr
             warnings.simplefilter("error", Image.DecompressionBombWarning)

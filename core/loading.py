@@ -402,9 +402,9 @@ def _load_model(spec: str, dtype: str, device: str, progress: ProgressFn | None,
     if not allow_pickle:  # transformers itself then never unpickles weights
         kwargs["use_safetensors"] = True
     kwargs.update(placement.kwargs())
-    if torch_dtype == torch.float64 and ("experts" in adapter.output_controls or getattr(
-            text_config, "enable_moe_block", False)):  # (Gemma 4's experts beside its MLP)
-        kwargs["experts_implementation"] = "eager"  # the grouped-matmul kernel refuses float64
+    if torch_dtype == torch.float64:  # the grouped-matmul kernel refuses float64: every MoE
+        # (and a dense model, where it is ignored), whatever its output control
+        kwargs["experts_implementation"] = "eager"
     stage = "weights"
     try:
         image_text = getattr(config, "vision_config", None) is not None

@@ -265,3 +265,69 @@ def test_an_over_long_prompt_is_refused_before_the_weights_load(
     argv[argv.index("--context") + 1] = " ".join(["a"] * 3000)  # 512 positions
     assert main(argv) == 2
     assert "input too long: at least" in _one_line(capsys)
+
+
+# -- float64 MoE from a saved folder (case 19) ---------------------------------------------
+def _moe_families() -> list[str]:
+    from tiny import TINY, tiny_config
+
+    def experts(config: Any) -> int:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return max(int(getattr(text, k, 0) or 0) for k in
+                   ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"))
+
+    return [name for name in TINY if experts(tiny_config(name)) > 1]
+
+
+@pytest.mark.parametrize("family", _moe_families())
+def test_every_moe_family_loads_in_float64_from_a_folder(family: str, tmp_path: Path) -> None:
+    """Case 19: float64 loads got eager experts only where the adapter lists an "experts"
+    output control (Granite 4.0 hybrid lists "matrix": "Expected mat_a to be Float32..."); the
+    tests built models in memory, so the loading rule never ran."""
+    import torch
+    from ctxpatch.core.loading import load_model
+    from ctxpatch.core.runs import compare
+    from ctxpatch.core.spec import RunSpec
+    from tiny import tiny_config, tiny_loaded
+
+    made = tiny_loaded(tiny_config(family), dtype=torch.float32)
+    made.model.save_pretrained(tmp_path / family)
+    made.tokenizer.save_pretrained(tmp_path / family)
+    loaded = load_model(str(tmp_path / family), dtype="float64")
+    done = compare(loaded, RunSpec(model=str(tmp_path / family), dtype="float64",
+                                   context="a b c", query="d e", max_new_tokens=2,
+                                   absorb="all"))
+    assert all(s.patched.match and s.patched.linf <= 1e-6 * s.logit_scale for s in done.steps)
+
+
+# -- pictures and saved runs (cases 17, 18) ----------------------------------------------------
+@pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="Linux's /proc")
+def test_a_regular_file_that_cannot_be_read_is_one_line(model: Path, capsys: Any) -> None:
+    assert main(_compare(model, "--image", "/proc/self/mem")) == 2
+    assert "cannot read /proc/self/mem" in _one_line(capsys)
+
+
+def test_a_pipe_is_never_opened_as_a_picture(tmp_path: Path) -> None:
+    from ctxpatch.core.images import read_image
+
+    os.mkfifo(tmp_path / "pipe.png")
+    with pytest.raises(UserError, match="not a file"):
+        read_image(tmp_path / "pipe.png")  # (a regression blocks here: the open waits)
+
+
+def test_a_damaged_saved_run_is_redone(model: Path, tmp_path: Path) -> None:
+    """Case 17: a reproduction's run record that is JSON but damaged (``{"steps": [1, 2]}``)
+    raised KeyError on resuming; it is now redone, as a missing one is."""
+    import json
+
+    from ctxpatch.core import experiments as ex
+
+    jobs = [j for j in ex.grid(1, ["float32"], []) if j.method == "direct"]
+    said: list[str] = []
+    first = ex.run_grid(str(model), tmp_path, jobs, 1, say=said.append)
+    for path in (tmp_path / "runs").glob("*.json"):
+        path.write_text(json.dumps({"steps": [1, 2]}))
+    again = ex.run_grid(str(model), tmp_path, jobs, 1, say=said.append)
+    assert not any("reusing" in line for line in said)
+    assert [r["steps"][0]["patched_token"] for r in again.values()] == \
+        [r["steps"][0]["patched_token"] for r in first.values()]
