@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_type_hints
 
 from pydantic import (
     AfterValidator,
@@ -35,7 +35,7 @@ from .export import _finite
 from .images import ImageInfo
 from .options import OutputControl
 from .prompt import Prompt, Segment
-from .results import Side, StepResult, TopK, summarize
+from .results import LayerInfo, Side, StepResult, TopK, summarize
 
 if TYPE_CHECKING:
     from .controllability import LayerPlan
@@ -382,6 +382,11 @@ def _side(token: dict[str, Any], match: bool, linf: Any, tvd: Any, top: list[Any
                 _topk(top))
 
 
+#: a layer measure an older (or partial) record lacks: not measured (NaN), none counted
+_UNMEASURED: dict[str, Any] = {name: {bool: False, int: 0}.get(kind, math.nan)
+                               for name, kind in get_type_hints(LayerInfo).items()}
+
+
 def step_from_dict(d: dict[str, Any], full_ids: tuple[int, ...]) -> Any:
     """One step of a record; ``full_ids`` is the full-context sequence up to this step."""
     c, top = d["control"], d["top_k"]
@@ -401,7 +406,8 @@ def step_from_dict(d: dict[str, Any], full_ids: tuple[int, ...]) -> Any:
         patch_norms={int(k): {name: {m: _float(x) for m, x in norms.items()}
                               for name, norms in params.items()}
                      for k, params in d.get("patch_norms", {}).items()},
-        layer_info={int(k): {f: math.nan if x is None else x for f, x in v.items()}
+        layer_info={int(k): {**_UNMEASURED, **{f: math.nan if x is None else x
+                                               for f, x in v.items()}}
                     for k, v in d.get("layers", {}).items()},
         seconds={k: float(v) for k, v in d.get("seconds", {}).items()},
     )

@@ -187,6 +187,7 @@ def summarize(steps: Sequence[StepResult]) -> dict[str, Any]:
         "zero_h_layers": sum(bool(i["zero_h"]) for i in infos),
     }
     out["conditioning"] = conditioning(steps)
-    seconds = {k: sum(s.seconds[k] for s in steps) for k in ("baseline", "patched", "control")}
+    seconds = {k: sum(s.seconds.get(k, 0.0) for s in steps)  # (a record read back may lack one)
+               for k in ("baseline", "patched", "control")}
     out["seconds"] = {**seconds, "total": sum(seconds.values())}
     return out
