@@ -251,6 +251,11 @@ class MainWindow(QMainWindow):
             return
         self.banner.hide()
         self.save_settings()
+        problem = self.input_panel.image_problem()  # before a model loads for it
+        if problem is not None:
+            self.show_error(problem)
+            self.run_finished.emit("failed")
+            return
         if self.model is None or self.model.key != self.model_panel.key():
             self.load_model(run_after=True)
             return
