@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from PySide6.QtCore import QSettings, Qt, QTimer, Signal
+from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
     QHBoxLayout,
@@ -416,10 +416,11 @@ class MainWindow(QMainWindow):
     # -- settings -------------------------------------------------------------------------------
     def apply_options(self, options: dict[str, Any]) -> None:
         """Fill the panels from command-line style options (model, dtype, query, ...)."""
-        self.model_panel.restore({"recent": self.model_panel.recent(), **options})
+        self.model_panel.restore({"recent": self.model_panel.recent(), **options},
+                                 "the options given")
         if "model" in options:
             self.model_panel.model.setCurrentText(str(options["model"]))
-        self.input_panel.restore(options)
+        self.input_panel.restore(options, "the options given")
 
     def save_settings(self) -> None:
         s = self.settings
@@ -442,6 +443,10 @@ class MainWindow(QMainWindow):
         self.model_panel.absorb.setCurrentText(first.get("absorb", "all"))
 
     def _restore(self) -> None:
+        """The window as it was left, from its settings. A settings file can hold anything (it
+        is a text file anyone can edit, or one a newer or older ctxpatch wrote): a value of the
+        wrong type or an absurd size is left out with a warning in the log, and its control
+        keeps its default (the panels' values: `app.panels.values.checked`); the window starts."""
         s = self.settings
         if s.value("panels/input") is None and s.value("panels/model") is None:
             self._first_start()
@@ -449,16 +454,22 @@ class MainWindow(QMainWindow):
                              ("window/main_splitter", self.main_splitter.restoreState),
                              ("window/right_splitter", self.right_splitter.restoreState)):
             value = s.value(key)
-            if value is not None:
-                restore(value)
+            if value is None:
+                continue
+            if not isinstance(value, QByteArray | bytes) or not restore(value):
+                log.warning("the window settings: %s cannot be restored (%s): its default is "
+                            "used", key, type(value).__name__)
         for key, panel in (("panels/model", self.model_panel), ("panels/input", self.input_panel)):
             raw = s.value(key)
+            if raw is None:
+                continue
             try:
-                data = json.loads(raw) if isinstance(raw, str) else None
-            except ValueError:
-                data = None
-            if isinstance(data, dict):
-                panel.restore(data)
+                data = json.loads(raw) if isinstance(raw, str) else raw
+            except (ValueError, RecursionError) as exc:
+                log.warning("the window settings: %s is not JSON (%s): the defaults are used",
+                            key, type(exc).__name__)
+                continue
+            panel.restore(data, f"the window settings ({key})")
 
     def about_text(self) -> str:
         """Versions of everything that decides a result, and where the model runs."""

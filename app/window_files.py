@@ -298,9 +298,9 @@ class WindowFiles:
         options = {k: v for k, v in (data.get("options") or {}).items()
                    if k not in NOT_FROM_SESSIONS}
         if options:
-            self._model_panel.restore(options)
+            self._model_panel.restore(options, source)
         if data.get("inputs"):
-            self._input_panel.restore(data["inputs"])
+            self._input_panel.restore(data["inputs"], source)
         self.history, self.history_index = list(data.get("runs") or []), index
         self._history_panel.set_runs(self.history, index)
         if index is not None and run is not None:

@@ -194,7 +194,13 @@ class QtInputPanel(QGroupBox):
     def save(self) -> dict[str, Any]:
         return {**self.values(), "chat_template": self.chat_template.isChecked()}
 
-    def restore(self, data: dict[str, Any]) -> None:
+    def restore(self, data: dict[str, Any], source: str = "the restored inputs") -> None:
+        """Set the inputs from ``data`` (`save`'s keys); a value of the wrong type or an absurd
+        size is left out with a warning in the log naming ``source``
+        (`app.panels.values.checked`)."""
+        from .values import checked
+
+        data = checked(data, source)
         if "context" in data:
             self.context.setPlainText(str(data["context"]))
         if "query" in data:

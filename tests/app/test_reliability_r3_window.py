@@ -116,3 +116,63 @@ def test_a_bmp_or_an_svg_is_refused_when_dropped(qtbot: Any, keep: Any, settings
         with pytest.raises(UserError) as refused:
             read_image(path)
         assert w.last_error == refused.value.words("window")
+
+
+# -- #16 window settings of the wrong type or an absurd size --------------------------------------
+DEEP = "[" * 100_000 + "]" * 100_000
+BAD_SETTINGS = [  # (case, settings key, value written, the key named in the log)
+    ("recent a number", "panels/model", {"recent": 5, "method": "stable"}, "recent"),
+    ("recent of a thousand", "panels/model", {"recent": ["m"] * 1000, "method": "stable"},
+     "recent"),
+    ("recent of numbers", "panels/model", {"recent": [1, 2], "method": "stable"}, "recent"),
+    ("10**30 new tokens", "panels/input", {"max_new_tokens": 10**30, "query": "kept"},
+     "max_new_tokens"),
+    ("new tokens a text", "panels/input", {"max_new_tokens": "many", "query": "kept"},
+     "max_new_tokens"),
+    ("new tokens 1e400", "panels/input", '{"max_new_tokens": 1e400, "query": "kept"}',
+     "max_new_tokens"),
+    ("a context that is a number", "panels/input", {"context": 5, "query": "kept"}, "context"),
+    ("chat template a text", "panels/input", {"chat_template": "yes", "query": "kept"},
+     "chat_template"),
+    ("an image that is a list", "panels/input", {"image": [1], "query": "kept"}, "image"),
+    ("dtype a number", "panels/model", {"dtype": 5, "method": "stable"}, "dtype"),
+    ("layers a list", "panels/model", {"layers": ["x"], "method": "stable"}, "layers"),
+    ("a placement of the wrong kind", "panels/model",
+     {"device_map": 3, "max_memory": 7, "offload_folder": [], "method": "stable"}, "device_map"),
+    ("disabled not a list of kinds", "panels/model", {"disabled": "input", "method": "stable"},
+     "disabled"),
+    ("model panel not a dict", "panels/model", [1, 2], "panels/model"),
+    ("input panel nested 100,000 deep", "panels/input", DEEP, "panels/input"),
+    ("geometry a text", "window/geometry", "garbage", "window/geometry"),
+    ("a splitter a number", "window/main_splitter", 5, "window/main_splitter"),
+]
+
+
+@pytest.mark.parametrize("case,key,value,named", BAD_SETTINGS, ids=[c[0] for c in BAD_SETTINGS])
+def test_bad_window_settings_are_dropped_and_the_window_starts(
+        qtbot: Any, keep: Any, settings: Any, caplog: Any, case: str, key: str, value: Any,
+        named: str) -> None:
+    import json
+    import logging
+
+    settings.setValue(key, value if isinstance(value, str | int) else json.dumps(value))
+    settings.sync()
+    with caplog.at_level(logging.WARNING, logger="ctxpatch"):
+        w = MainWindow(settings=settings, autoload=False)  # it used to raise here
+    keep(w)
+    w.show()
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(named in m and "the window settings" in m for m in warned), warned
+    assert not w.banner.isVisible()
+    model, inputs = w.model_panel.save(), w.input_panel.save()
+    assert model["recent"] in ([], ["demo"]) and model["dtype"] == "float32"
+    assert model["layers"] == "all" and model["device_map"] == "one device"
+    assert 1 <= inputs["max_new_tokens"] <= 4096 and inputs["image"] == ""
+    assert isinstance(inputs["context"], str) and inputs["chat_template"] is False
+    if isinstance(value, dict) and "method" in value:  # the good values beside a bad one stay
+        assert model["method"] == "stable"
+    if isinstance(value, dict) and "query" in value or "1e400" in str(value):
+        assert inputs["query"] == "kept"
+    from ctxpatch.core.spec import from_options
+
+    from_options({**w.model_panel.spec_options(), **w.input_panel.values(), "image": None})
