@@ -58,10 +58,11 @@ class Banner(QWidget):
         self.button.setVisible(bool(action))
         self._callback: Callable[[], None] | None = None
         self.button.clicked.connect(lambda: self._callback and self._callback())
-        close = QToolButton()
+        self._declined: Callable[[], None] | None = None
+        self.close_button = close = QToolButton()
         close.setText("✕")
         close.setToolTip("Dismiss")
-        close.clicked.connect(self.hide)
+        close.clicked.connect(self._dismiss)
         layout = QHBoxLayout(self)
         layout.setContentsMargins(8, 4, 4, 4)
         layout.addWidget(self.label, 1)
@@ -75,9 +76,20 @@ class Banner(QWidget):
         self.label.setText(message)
         self.show()
 
-    def offer(self, message: str, callback: Callable[[], None]) -> None:
-        self._callback = callback
+    def offer(self, message: str, callback: Callable[[], None],
+              declined: Callable[[], None] | None = None,
+              decline_tip: str = "No: discard it (removed when ctxpatch closes)") -> None:
+        """Offer something: its button calls ``callback``; ✕, when ``declined`` is given,
+        declines the offer (else it only hides the line)."""
+        self._callback, self._declined = callback, declined
+        self.close_button.setToolTip(decline_tip if declined is not None else "Dismiss")
         self.show_message(message)
+
+    def _dismiss(self) -> None:
+        declined, self._declined = self._declined, None
+        self.hide()
+        if declined is not None:
+            declined()
 
 
 class MainWindow(QMainWindow):
@@ -91,8 +103,13 @@ class MainWindow(QMainWindow):
     session_opened = Signal(str)
 
     def __init__(self, model: str | None = None, settings: QSettings | None = None,
-                 autoload: bool = True, options: dict[str, Any] | None = None) -> None:
+                 autoload: bool = True, options: dict[str, Any] | None = None,
+                 persistent: bool = True) -> None:
+        """``persistent`` False: a window that leaves the user's files as they were (``ctxpatch
+        --screenshot``): it reads the settings but writes none, and neither writes, offers nor
+        removes an autosave."""
         super().__init__()
+        self.persistent = persistent
         self.setWindowTitle("ctxpatch — Context Patch Lab")
         self.settings = settings if settings is not None else QSettings("ctxpatch", "ctxpatch")
         self.state = RunState()
@@ -119,7 +136,7 @@ class MainWindow(QMainWindow):
             history_panel=self.history_panel, plots=self.plots, banner=self.banner,
             notice=self.notice, say=self.status_label.setText, show_error=self.show_error,
             running=lambda: self.job_kind, start=self._start,
-            session_opened=self.session_opened.emit)
+            session_opened=self.session_opened.emit, reads=self.reads, persistent=persistent)
         self._build_actions()
 
         self.model_panel.load_requested.connect(self.load_model)
@@ -138,7 +155,8 @@ class MainWindow(QMainWindow):
             self.apply_options(options)
         self._autosave = QTimer(self)
         self._autosave.timeout.connect(self.save_settings)
-        self._autosave.start(30_000)
+        if persistent:
+            self._autosave.start(30_000)
         if autoload:
             QTimer.singleShot(0, self.load_model)
 
@@ -397,6 +415,12 @@ class MainWindow(QMainWindow):
     def _on_open_folder(self) -> None:
         self.model_panel.browse_folder()
 
+    def reads(self) -> list[str | None]:
+        """What the window reads now: the model typed, the picture chosen, and the loaded model
+        (as asked for, and the folder it was found in), which its writes must not overwrite."""
+        loaded = [self.model.key[0], self.model.info.get("id")] if self.model is not None else []
+        return [self.model_panel.spec(), self.input_panel.image_path or None, *loaded]
+
     # -- files: the File menu's commands as the window's own (`app.gui` and tests call them) ---
     def current_record(self) -> dict[str, Any] | None:
         return self.files.current_record()
@@ -423,6 +447,8 @@ class MainWindow(QMainWindow):
         self.input_panel.restore(options, "the options given")
 
     def save_settings(self) -> None:
+        if not self.persistent:
+            return
         s = self.settings
         s.setValue("version", SETTINGS_VERSION)
         s.setValue("window/geometry", self.saveGeometry())
@@ -502,9 +528,7 @@ class MainWindow(QMainWindow):
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt override
         self.save_settings()
-        from .session import autosave_path
-
-        autosave_path().unlink(missing_ok=True)  # a clean exit: nothing to offer back
+        self.files.closing()  # a clean exit: this window's autosave goes (never another's)
         if self.worker is not None:
             # a thread destroyed while running takes the process down: let it finish its layer
             self.status_label.setText("Stopping the background job…")

@@ -22,6 +22,7 @@ from ctxpatch.app.main_window import MainWindow
 from ctxpatch.resources import sample_image_path
 from PySide6.QtCore import QMimeData, QPointF, Qt, QUrl
 from PySide6.QtGui import QDropEvent
+from PySide6.QtWidgets import QToolButton
 from windows import open_window, run_to_end
 
 
@@ -176,3 +177,199 @@ def test_bad_window_settings_are_dropped_and_the_window_starts(
     from ctxpatch.core.spec import from_options
 
     from_options({**w.model_panel.spec_options(), **w.input_panel.values(), "image": None})
+
+
+# -- #3 a crashed session is kept, and offered back, until its user decides -----------------------
+FIXTURE = Path(__file__).parent / "fixtures" / "session_v0.json"  # a session of one 3-token run
+
+
+@pytest.fixture
+def no_autosaves() -> Iterator[None]:
+    """No autosave of any session (nor one moved aside) before and after the test."""
+    from ctxpatch.app.session import autosave_path
+
+    def clear() -> None:
+        folder = autosave_path().parent
+        for p in folder.glob("autosave*") if folder.is_dir() else ():
+            p.rmdir() if p.is_dir() else p.unlink()
+    clear()
+    yield
+    clear()
+
+
+def autosave_files() -> list[Path]:
+    """The autosaves there are (a session's that did not close cleanly, each)."""
+    from ctxpatch.app.session import autosave_path
+
+    folder = autosave_path().parent
+    return sorted(folder.glob("autosave*.json")) if folder.is_dir() else []
+
+
+def _crashed() -> Path:
+    """The autosave a crash left (an hour old)."""
+    import time
+
+    from ctxpatch.app.session import autosave_path
+
+    path = autosave_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(FIXTURE.read_bytes())
+    os.utime(path, (time.time() - 3600, time.time() - 3600))
+    return path
+
+
+def test_a_screenshot_leaves_a_crashed_session_s_autosave_and_the_settings(
+        qtbot: Any, no_autosaves: None, tiny_model_dir: str, tmp_path: Path, monkeypatch: Any,
+        capsys: Any) -> None:
+    import sys
+
+    from ctxpatch.app.cli import main
+    from PySide6.QtCore import QSettings
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    crashed = _crashed()
+    user = QSettings("ctxpatch", "ctxpatch")
+    user.setValue("panels/input", '{"query": "my own question"}')
+    user.sync()
+    kept = Path(user.fileName()).read_bytes()
+    code = main(["--screenshot", str(tmp_path / "shot.png"), "--model", tiny_model_dir,
+                 "--absorb", "all", "--query", "Where?", "--max-new-tokens", "2"])
+    assert code == 0, capsys.readouterr().err
+    assert autosave_files() == [crashed] and crashed.read_bytes() == FIXTURE.read_bytes()
+    assert Path(user.fileName()).read_bytes() == kept  # nor the user's window settings
+
+
+def test_a_crashed_session_is_offered_back_until_its_user_decides(
+        qtbot: Any, keep: Any, settings: Any, no_autosaves: None, tiny_model_dir: str) -> None:
+
+    crashed = _crashed()
+    first = open_window(keep, settings, tiny_model_dir, query="Where?", tokens=2)
+    first.offer_autosave()
+    assert first.notice.isVisible() and "restore its 1 run(s)" in first.notice.label.text()
+    assert run_to_end(qtbot, first) == "completed"  # a run before answering the offer
+    assert crashed.read_bytes() == FIXTURE.read_bytes()  # it used to be overwritten here
+    (own,) = [p for p in autosave_files() if p != crashed]  # the first window's, beside it
+    # ... and the first window crashes (it is left open: its files are what a crash leaves)
+
+    second = open_window(keep, settings, tiny_model_dir)
+    second.offer_autosave()  # the newest first, then the older one
+    assert "restore its 1 run(s)" in second.notice.label.text()
+    assert "1 more after this one" in second.notice.label.text()
+    second.close()  # a clean exit without answering: both are kept
+    assert sorted(autosave_files()) == sorted([crashed, own])
+
+    third = open_window(keep, settings, tiny_model_dir)
+    third.offer_autosave()
+    assert "1 more after this one" in third.notice.label.text()
+    third.notice.findChild(QToolButton).click()  # ✕: declined; the older one is offered next
+    assert third.notice.isVisible() and "(saved 2026-11-01" in third.notice.label.text()
+    assert "more after" not in third.notice.label.text()
+    third.notice.button.click()  # Restore
+    assert len(third.state.steps) == 3 and not third.notice.isVisible()
+    assert third.input_panel.context.toPlainText() == "Alice lives in Paris."
+    assert run_to_end(qtbot, third) == "completed"
+    assert len(third.files.history) == 2  # the restored run and the new one
+    third.close()  # decided, both: nothing left to offer
+    assert autosave_files() == []
+    fourth = open_window(keep, settings, tiny_model_dir)
+    fourth.offer_autosave()
+    assert not fourth.notice.isVisible()
+
+
+def test_a_restore_keeps_the_runs_made_before_it(qtbot: Any, keep: Any, settings: Any,
+                                                  no_autosaves: None, tiny_model_dir: str) -> None:
+    from ctxpatch.app.session import load_session
+
+    crashed = _crashed()
+    w = open_window(keep, settings, tiny_model_dir, query="Where?", tokens=2)
+    w.offer_autosave()
+    assert run_to_end(qtbot, w) == "completed"
+    w.notice.button.click()
+    assert len(w.files.history) == 2 and len(w.state.steps) == 3  # the restored run shown
+    (own,) = autosave_files()  # the restored file is in this window's autosave now
+    assert own != crashed and len(load_session(own)["runs"]) == 2
+
+
+# -- #5 the window's writes never overwrite what the run reads ------------------------------------
+def test_the_window_never_writes_over_what_its_run_reads(
+        qtbot: Any, keep: Any, settings: Any, tiny_model_dir: str, tmp_path: Path,
+        monkeypatch: Any) -> None:
+    import shutil
+
+    model = Path(tiny_model_dir)
+    files = {p: p.read_bytes() for p in model.rglob("*") if p.is_file()}
+    picture = tmp_path / "picture.png"
+    picture.write_bytes(Path(sample_image_path()).read_bytes())
+    w = open_window(keep, settings, tiny_model_dir, query="Where?", tokens=2)
+    assert run_to_end(qtbot, w) == "completed", w.last_error
+    w.input_panel.set_image(str(picture))
+
+    def refused(target: Path, write: Any, w: MainWindow = w) -> str:
+        w.banner.hide()
+        assert not write(str(target))
+        assert w.banner.isVisible() and "\n" not in w.last_error
+        assert "which this run reads: choose another file name" in w.last_error, w.last_error
+        return w.last_error
+
+    for kind in ("json", "csv", "report"):
+        said = refused(model / "config.json", lambda p, k=kind: w.export(k, p))
+        assert said.startswith(f"the {'run JSON' if kind == 'json' else kind.upper()}"
+                               if kind != "report" else "the report"), said
+        refused(picture, lambda p, k=kind: w.export(k, p))
+    refused(model / "model.safetensors", w.save_session)
+    refused(model / "tokenizer.json", lambda p: w.export("json", p))
+    # a report whose plots folder (NAME_plots beside it) would be the model's folder
+    plotted = tmp_path / "m_plots"
+    shutil.copytree(model, plotted)
+    w.model_panel.model.setCurrentText(str(plotted))
+    refused(tmp_path / "m.html", lambda p: w.export("report", p))
+    assert not (tmp_path / "m.html").exists() and not (plotted / "linf.png").exists()
+    # the demo: its cache folder
+    demo = tmp_path / "demo-cache"
+    demo.mkdir()
+    (demo / "config.json").write_text("{}")
+    from ctxpatch.core import footprint
+
+    monkeypatch.setattr(footprint, "demo_folder", lambda name="demo": demo)
+    w.model_panel.model.setCurrentText("demo")
+    refused(demo / "config.json", lambda p: w.export("json", p))
+    assert (demo / "config.json").read_text() == "{}"
+    assert {p: p.read_bytes() for p in model.rglob("*") if p.is_file()} == files  # untouched
+    assert picture.read_bytes() == Path(sample_image_path()).read_bytes()
+
+    # a run reopened from a session, in a window that has loaded nothing: the run's own model
+    session = tmp_path / "s.json"
+    assert w.save_session(str(session))
+    other = open_window(keep, settings, "demo")
+    assert other.open_session(str(session)) and other.model is None
+    refused(model / "config.json", lambda p: other.export("json", p), other)
+    assert other.export("json", str(tmp_path / "run.json"))  # elsewhere it writes
+
+
+def test_a_screenshot_over_the_model_from_the_settings_is_refused(
+        qtbot: Any, tiny_model_dir: str, tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
+    """``ctxpatch --screenshot F`` alone opens on the settings' model and inputs: F is checked
+    against that model (it was checked against none, and the PNG written over its file)."""
+    import json
+    import shutil
+    import sys
+
+    from ctxpatch.app.cli import main
+    from PySide6.QtCore import QSettings
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")  # (a copy: it was overwritten)
+    user = QSettings("ctxpatch", "ctxpatch")
+    user.setValue("panels/model", json.dumps({"model": str(model), "absorb": "all"}))
+    user.setValue("panels/input", json.dumps({"query": "Where?", "max_new_tokens": 2}))
+    user.sync()
+    target = model / "config.json"
+    before = target.read_bytes()
+    try:
+        code = main(["--screenshot", str(target)])
+    finally:
+        user.remove("panels")
+        user.sync()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "would overwrite" in err[-1], (err, target.read_bytes()[:20])
+    assert target.read_bytes() == before
