@@ -198,8 +198,32 @@ def run_app(args: argparse.Namespace) -> int:
     return _screenshot(app, window, screenshot)
 
 
+def write_picture(picture: Any, path: str) -> None:
+    """Save a QPixmap or QImage atomically (`core.export.atomic_write`), in the format its name
+    says (PNG when it says none), so that a failed save leaves the file there was.
+
+    Raises:
+        UserError: it cannot be written, or Qt cannot write that format.
+    """
+    from pathlib import Path
+
+    from ..core.errors import UserError
+    from ..core.export import atomic_write
+
+    kind = Path(path).suffix.lstrip(".").upper() or "PNG"
+
+    def write(tmp: str) -> None:
+        if not picture.save(tmp, kind):
+            raise UserError(f"cannot write {path}: Qt cannot save a picture as {kind} (name it "
+                            ".png)")
+
+    atomic_write(path, write)
+
+
 def _screenshot(app: Any, window: Any, path: str) -> int:
     from PySide6.QtCore import QEventLoop, QTimer
+
+    from ..core.errors import UserError
 
     result: dict[str, str] = {}
     loop = QEventLoop()
@@ -215,8 +239,10 @@ def _screenshot(app: Any, window: Any, path: str) -> int:
 
     def save() -> None:
         app.processEvents()
-        if not window.grab().save(path):
-            result["outcome"] = "unsaved"
+        try:
+            write_picture(window.grab(), path)
+        except UserError as exc:
+            result["outcome"], result["why"] = "unsaved", str(exc)
         loop.quit()
 
     window.resize(1400, 900)  # the same picture whatever size the window was saved at
@@ -229,7 +255,7 @@ def _screenshot(app: Any, window: Any, path: str) -> int:
         print(f"saved {path}", file=sys.stderr)
         return 0
     if outcome == "unsaved":
-        print(f"ctxpatch: error: cannot write {path}", file=sys.stderr)
+        print(f"ctxpatch: error: {result['why']}", file=sys.stderr)
         return 2
     message = window.last_error or outcome
     print(f"ctxpatch: error: {message}", file=sys.stderr)

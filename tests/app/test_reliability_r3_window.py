@@ -254,16 +254,16 @@ def test_a_crashed_session_is_offered_back_until_its_user_decides(
     second = open_window(keep, settings, tiny_model_dir)
     second.offer_autosave()  # the newest first, then the older one
     assert "restore its 1 run(s)" in second.notice.label.text()
-    assert "1 more after this one" in second.notice.label.text()
+    assert "(then 1 more)" in second.notice.label.text()
     second.close()  # a clean exit without answering: both are kept
     assert sorted(autosave_files()) == sorted([crashed, own])
 
     third = open_window(keep, settings, tiny_model_dir)
     third.offer_autosave()
-    assert "1 more after this one" in third.notice.label.text()
+    assert "(then 1 more)" in third.notice.label.text()
     third.notice.findChild(QToolButton).click()  # ✕: declined; the older one is offered next
     assert third.notice.isVisible() and "(saved 2026-11-01" in third.notice.label.text()
-    assert "more after" not in third.notice.label.text()
+    assert "then" not in third.notice.label.text()
     third.notice.button.click()  # Restore
     assert len(third.state.steps) == 3 and not third.notice.isVisible()
     assert third.input_panel.context.toPlainText() == "Alice lives in Paris."
@@ -373,3 +373,22 @@ def test_a_screenshot_over_the_model_from_the_settings_is_refused(
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "would overwrite" in err[-1], (err, target.read_bytes()[:20])
     assert target.read_bytes() == before
+
+
+def test_a_screenshot_that_cannot_be_saved_leaves_the_file_there_was(
+        qtbot: Any, no_autosaves: None, tiny_model_dir: str, tmp_path: Path, monkeypatch: Any,
+        capsys: Any) -> None:
+    """(found while testing #5: Qt's save truncated the file, then failed on a name that is not
+    a picture's)"""
+    import sys
+
+    from ctxpatch.app.cli import main
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    code = main(["--screenshot", str(notes), "--model", tiny_model_dir, "--absorb", "all",
+                 "--query", "Where?", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith(f"ctxpatch: error: cannot write {notes}"), err
+    assert notes.read_text() == "my notes" and [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
