@@ -412,7 +412,7 @@ class WindowFiles:
         path, data = self._waiting.pop(0)
         self._offered = path
         when = saved_when(data)
-        more = (f"; {len(self._waiting)} more after this one" if self._waiting else "")
+        more = f" (then {len(self._waiting)} more)" if self._waiting else ""
         self._notice.offer(f"ctxpatch did not close cleanly last time: restore its "
                            f"{len(data['runs'])} run(s) and inputs"
                            + (f" (saved {when})" if when else "") + f"?{more}",
