@@ -2,7 +2,8 @@
 
 ``ctxpatch --screenshot FILE [compare options]`` opens the window (offscreen works), runs that
 comparison to the end, saves a PNG of the whole window and exits: 0 when the run completed,
-2 when it failed on the user's input, 1 on an internal failure.
+2 when it failed on the user's input, 1 on an internal failure. It reads the window's settings
+but leaves them, and any autosave of a session that did not close cleanly, as they were.
 """
 
 from __future__ import annotations
@@ -164,11 +165,11 @@ def run_app(args: argparse.Namespace) -> int:
 
     from .main_window import MainWindow
     screenshot = getattr(args, "screenshot", None)
-    if screenshot:
-        from ..core.outputs import check_outputs
+    if screenshot:  # (before Qt starts; again below, against the model the window opens on)
+        from ..core.outputs import check_outputs, run_inputs
 
-        check_outputs({"--screenshot": screenshot}, [getattr(args, "model", None),
-                                                       getattr(args, "image", None)])
+        check_outputs({"--screenshot": screenshot}, run_inputs(getattr(args, "model", None),
+                                                                getattr(args, "image", None)))
     _setup_logging()
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("ctxpatch")
@@ -183,8 +184,11 @@ def run_app(args: argparse.Namespace) -> int:
         icon.addFile(path)
     app.setWindowIcon(icon)
     options = window_options(args)
-    window = MainWindow(autoload=not screenshot, options=options)
+    # a screenshot's window leaves the user's settings and autosaves as they were
+    window = MainWindow(autoload=not screenshot, options=options, persistent=not screenshot)
     _WINDOWS.append(window)  # alive until the process ends (never destroyed mid-session)
+    if screenshot:  # the model may come from the settings: never a file it reads
+        window.files.check_writes("--screenshot", screenshot)
     sys.excepthook = _excepthook
     window.show()
     logging.getLogger("ctxpatch").info("window shown %.2f s after start", time.perf_counter() - t0)
@@ -194,8 +198,32 @@ def run_app(args: argparse.Namespace) -> int:
     return _screenshot(app, window, screenshot)
 
 
+def write_picture(picture: Any, path: str) -> None:
+    """Save a QPixmap or QImage atomically (`core.export.atomic_write`), in the format its name
+    says (PNG when it says none), so that a failed save leaves the file there was.
+
+    Raises:
+        UserError: it cannot be written, or Qt cannot write that format.
+    """
+    from pathlib import Path
+
+    from ..core.errors import UserError
+    from ..core.export import atomic_write
+
+    kind = Path(path).suffix.lstrip(".").upper() or "PNG"
+
+    def write(tmp: str) -> None:
+        if not picture.save(tmp, kind):
+            raise UserError(f"cannot write {path}: Qt cannot save a picture as {kind} (name it "
+                            ".png)")
+
+    atomic_write(path, write)
+
+
 def _screenshot(app: Any, window: Any, path: str) -> int:
     from PySide6.QtCore import QEventLoop, QTimer
+
+    from ..core.errors import UserError
 
     result: dict[str, str] = {}
     loop = QEventLoop()
@@ -211,8 +239,10 @@ def _screenshot(app: Any, window: Any, path: str) -> int:
 
     def save() -> None:
         app.processEvents()
-        if not window.grab().save(path):
-            result["outcome"] = "unsaved"
+        try:
+            write_picture(window.grab(), path)
+        except UserError as exc:
+            result["outcome"], result["why"] = "unsaved", str(exc)
         loop.quit()
 
     window.resize(1400, 900)  # the same picture whatever size the window was saved at
@@ -225,7 +255,7 @@ def _screenshot(app: Any, window: Any, path: str) -> int:
         print(f"saved {path}", file=sys.stderr)
         return 0
     if outcome == "unsaved":
-        print(f"ctxpatch: error: cannot write {path}", file=sys.stderr)
+        print(f"ctxpatch: error: {result['why']}", file=sys.stderr)
         return 2
     message = window.last_error or outcome
     print(f"ctxpatch: error: {message}", file=sys.stderr)

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from PySide6.QtCore import QSettings, Qt, QTimer, Signal
+from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
     QHBoxLayout,
@@ -58,10 +58,11 @@ class Banner(QWidget):
         self.button.setVisible(bool(action))
         self._callback: Callable[[], None] | None = None
         self.button.clicked.connect(lambda: self._callback and self._callback())
-        close = QToolButton()
+        self._declined: Callable[[], None] | None = None
+        self.close_button = close = QToolButton()
         close.setText("✕")
         close.setToolTip("Dismiss")
-        close.clicked.connect(self.hide)
+        close.clicked.connect(self._dismiss)
         layout = QHBoxLayout(self)
         layout.setContentsMargins(8, 4, 4, 4)
         layout.addWidget(self.label, 1)
@@ -75,9 +76,20 @@ class Banner(QWidget):
         self.label.setText(message)
         self.show()
 
-    def offer(self, message: str, callback: Callable[[], None]) -> None:
-        self._callback = callback
+    def offer(self, message: str, callback: Callable[[], None],
+              declined: Callable[[], None] | None = None,
+              decline_tip: str = "No: discard it (removed when ctxpatch closes)") -> None:
+        """Offer something: its button calls ``callback``; ✕, when ``declined`` is given,
+        declines the offer (else it only hides the line)."""
+        self._callback, self._declined = callback, declined
+        self.close_button.setToolTip(decline_tip if declined is not None else "Dismiss")
         self.show_message(message)
+
+    def _dismiss(self) -> None:
+        declined, self._declined = self._declined, None
+        self.hide()
+        if declined is not None:
+            declined()
 
 
 class MainWindow(QMainWindow):
@@ -91,8 +103,13 @@ class MainWindow(QMainWindow):
     session_opened = Signal(str)
 
     def __init__(self, model: str | None = None, settings: QSettings | None = None,
-                 autoload: bool = True, options: dict[str, Any] | None = None) -> None:
+                 autoload: bool = True, options: dict[str, Any] | None = None,
+                 persistent: bool = True) -> None:
+        """``persistent`` False: a window that leaves the user's files as they were (``ctxpatch
+        --screenshot``): it reads the settings but writes none, and neither writes, offers nor
+        removes an autosave."""
         super().__init__()
+        self.persistent = persistent
         self.setWindowTitle("ctxpatch — Context Patch Lab")
         self.settings = settings if settings is not None else QSettings("ctxpatch", "ctxpatch")
         self.state = RunState()
@@ -119,7 +136,7 @@ class MainWindow(QMainWindow):
             history_panel=self.history_panel, plots=self.plots, banner=self.banner,
             notice=self.notice, say=self.status_label.setText, show_error=self.show_error,
             running=lambda: self.job_kind, start=self._start,
-            session_opened=self.session_opened.emit)
+            session_opened=self.session_opened.emit, reads=self.reads, persistent=persistent)
         self._build_actions()
 
         self.model_panel.load_requested.connect(self.load_model)
@@ -138,7 +155,8 @@ class MainWindow(QMainWindow):
             self.apply_options(options)
         self._autosave = QTimer(self)
         self._autosave.timeout.connect(self.save_settings)
-        self._autosave.start(30_000)
+        if persistent:
+            self._autosave.start(30_000)
         if autoload:
             QTimer.singleShot(0, self.load_model)
 
@@ -251,6 +269,11 @@ class MainWindow(QMainWindow):
             return
         self.banner.hide()
         self.save_settings()
+        problem = self.input_panel.image_problem()  # before a model loads for it
+        if problem is not None:
+            self.show_error(problem)
+            self.run_finished.emit("failed")
+            return
         if self.model is None or self.model.key != self.model_panel.key():
             self.load_model(run_after=True)
             return
@@ -392,6 +415,12 @@ class MainWindow(QMainWindow):
     def _on_open_folder(self) -> None:
         self.model_panel.browse_folder()
 
+    def reads(self) -> list[str | None]:
+        """What the window reads now: the model typed, the picture chosen, and the loaded model
+        (as asked for, and the folder it was found in), which its writes must not overwrite."""
+        loaded = [self.model.key[0], self.model.info.get("id")] if self.model is not None else []
+        return [self.model_panel.spec(), self.input_panel.image_path or None, *loaded]
+
     # -- files: the File menu's commands as the window's own (`app.gui` and tests call them) ---
     def current_record(self) -> dict[str, Any] | None:
         return self.files.current_record()
@@ -411,12 +440,15 @@ class MainWindow(QMainWindow):
     # -- settings -------------------------------------------------------------------------------
     def apply_options(self, options: dict[str, Any]) -> None:
         """Fill the panels from command-line style options (model, dtype, query, ...)."""
-        self.model_panel.restore({"recent": self.model_panel.recent(), **options})
+        self.model_panel.restore({"recent": self.model_panel.recent(), **options},
+                                 "the options given")
         if "model" in options:
             self.model_panel.model.setCurrentText(str(options["model"]))
-        self.input_panel.restore(options)
+        self.input_panel.restore(options, "the options given")
 
     def save_settings(self) -> None:
+        if not self.persistent:
+            return
         s = self.settings
         s.setValue("version", SETTINGS_VERSION)
         s.setValue("window/geometry", self.saveGeometry())
@@ -437,6 +469,10 @@ class MainWindow(QMainWindow):
         self.model_panel.absorb.setCurrentText(first.get("absorb", "all"))
 
     def _restore(self) -> None:
+        """The window as it was left, from its settings. A settings file can hold anything (it
+        is a text file anyone can edit, or one a newer or older ctxpatch wrote): a value of the
+        wrong type or an absurd size is left out with a warning in the log, and its control
+        keeps its default (the panels' values: `app.panels.values.checked`); the window starts."""
         s = self.settings
         if s.value("panels/input") is None and s.value("panels/model") is None:
             self._first_start()
@@ -444,16 +480,22 @@ class MainWindow(QMainWindow):
                              ("window/main_splitter", self.main_splitter.restoreState),
                              ("window/right_splitter", self.right_splitter.restoreState)):
             value = s.value(key)
-            if value is not None:
-                restore(value)
+            if value is None:
+                continue
+            if not isinstance(value, QByteArray | bytes) or not restore(value):
+                log.warning("the window settings: %s cannot be restored (%s): its default is "
+                            "used", key, type(value).__name__)
         for key, panel in (("panels/model", self.model_panel), ("panels/input", self.input_panel)):
             raw = s.value(key)
+            if raw is None:
+                continue
             try:
-                data = json.loads(raw) if isinstance(raw, str) else None
-            except ValueError:
-                data = None
-            if isinstance(data, dict):
-                panel.restore(data)
+                data = json.loads(raw) if isinstance(raw, str) else raw
+            except (ValueError, RecursionError) as exc:
+                log.warning("the window settings: %s is not JSON (%s): the defaults are used",
+                            key, type(exc).__name__)
+                continue
+            panel.restore(data, f"the window settings ({key})")
 
     def about_text(self) -> str:
         """Versions of everything that decides a result, and where the model runs."""
@@ -486,9 +528,7 @@ class MainWindow(QMainWindow):
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt override
         self.save_settings()
-        from .session import autosave_path
-
-        autosave_path().unlink(missing_ok=True)  # a clean exit: nothing to offer back
+        self.files.closing()  # a clean exit: this window's autosave goes (never another's)
         if self.worker is not None:
             # a thread destroyed while running takes the process down: let it finish its layer
             self.status_label.setText("Stopping the background job…")

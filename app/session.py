@@ -4,6 +4,8 @@ A session is data only: one JSON object (``format`` "ctxpatch-session", ``schema
 written atomically, so a crash mid-save never corrupts an existing file. Runs are stored as their
 run records (DESIGN.md "Run JSON"). The autosave is the same file in the user's state folder; it
 is deleted on a clean exit, so finding it at start-up means the last session did not end well.
+It is kept, and offered back at each start, until its user restores or declines it; a window that
+starts meanwhile writes its own beside it (`autosave_files`, `new_autosave_path`).
 
 Reading one is checked against a pydantic schema (`Session` below, strict types, bounded ints,
 nesting depth limited by pydantic-core's JSON parser) before anything in the window changes, so a
@@ -41,6 +43,43 @@ def autosave_path() -> Path:
     import platformdirs
 
     return Path(platformdirs.user_state_dir("ctxpatch", appauthor=False)) / "autosave.json"
+
+
+def autosave_files() -> list[Path]:
+    """The autosaves beside `autosave_path`, newest first: each is a session that did not close
+    cleanly (``autosave.json``, and ``autosave-<time>.json``, written by a window that started
+    while an older one waited for its user to decide: `new_autosave_path`)."""
+    folder = autosave_path().parent
+    try:
+        found = [p for p in folder.iterdir()
+                 if p.name == "autosave.json" or (p.name.startswith("autosave-")
+                                                  and p.name.endswith(".json"))]
+    except OSError:  # no folder yet
+        return []
+
+    def when(p: Path) -> float:
+        try:
+            return p.lstat().st_mtime
+        except OSError:
+            return 0.0
+
+    return sorted(found, key=lambda p: (when(p), p.name), reverse=True)
+
+
+def new_autosave_path() -> Path:
+    """Where a window writes its first autosave: `autosave_path` when it is free, else a new
+    ``autosave-<time>.json`` beside it (a file there is another session's, kept until its user
+    restores or declines it)."""
+    import os
+
+    path = autosave_path()
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    n = 0
+    while path.exists() or path.is_symlink():
+        n += 1
+        path = path.with_name(f"autosave-{stamp}-{os.getpid()}" + (f"-{n}" if n > 1 else "")
+                              + ".json")
+    return path
 
 
 def session_dict(inputs: dict[str, Any], options: dict[str, Any], runs: list[dict[str, Any]],

@@ -58,6 +58,10 @@ class WindowFiles:
             `on_session_job_finished`.
         session_opened: called with the outcome of every File > Open session ("completed",
             "cancelled" or "failed").
+        reads: the model and picture the window reads now (the loaded model, the one typed,
+            the chosen picture), which no write of the window may overwrite (`check_writes`).
+        persistent: False for a window that must leave the user's files alone (``ctxpatch
+            --screenshot``): it neither writes, offers nor removes an autosave.
     """
 
     def __init__(self, window: QWidget, state: RunState, *, input_panel: QtInputPanel,
@@ -65,7 +69,8 @@ class WindowFiles:
                  banner: Banner, notice: Banner, say: Callable[[str], None],
                  show_error: Callable[[str], None], running: Callable[[], str | None],
                  start: Callable[[Task, str, str], None],
-                 session_opened: Callable[[str], None]) -> None:
+                 session_opened: Callable[[str], None],
+                 reads: Callable[[], list[str | None]] = list, persistent: bool = True) -> None:
         self._window = window
         self._state = state
         self._input_panel = input_panel
@@ -79,6 +84,15 @@ class WindowFiles:
         self._running = running
         self._start = start
         self._session_opened = session_opened
+        self._reads = reads
+        self._persistent = persistent
+        # the autosave: this window's own (once written), the crashed sessions found at start
+        # waiting to be offered, the one offered now, and those declined (removed at a clean
+        # exit); one neither restored nor declined is kept, and offered again at the next start
+        self._autosave_file: Path | None = None
+        self._waiting: list[tuple[Path, dict[str, Any]]] = []
+        self._offered: Path | None = None
+        self._declined: list[Path] = []
         self.history: list[dict[str, Any]] = []  # finished runs' records, oldest first
         self.history_index: int | None = None  # the one shown
         self._pending_session: SessionReady | None = None  # applied when its job has ended
@@ -116,6 +130,8 @@ class WindowFiles:
         from ..core.export import steps_csv, write_json, write_text
 
         try:
+            self.check_writes({"json": "the run JSON", "csv": "the CSV",
+                               "report": "the report"}[kind], path, report=kind == "report")
             if kind == "json":
                 write_json(path, record)
             elif kind == "csv":
@@ -136,6 +152,32 @@ class WindowFiles:
             return False
         self._say(f"Saved {path}")
         return True
+
+    def check_writes(self, what: str, path: str, report: bool = False) -> None:
+        """Refuse, before anything is written, a file the window cannot write or one that would
+        overwrite what its runs read: the model (a folder, a file, or the demo's cache folder)
+        and the picture of the shown run, of the runs of the list, and those the window reads
+        now (`core.outputs.check_outputs`, the command line's own check). ``report``: ``path``
+        is a report, written with its plots folder beside it (`core.outputs.check_report`).
+
+        Raises:
+            UserError: one line naming ``what``, the path and what to do.
+        """
+        from ..core.outputs import check_outputs, check_report, run_inputs
+
+        read: list[Any] = list(self._reads())
+        shown = self.current_record()
+        for record in [*self.history, *([shown] if shown is not None else [])]:
+            settings, prompt = record.get("settings") or {}, record.get("prompt") or {}
+            read += [settings.get("model"), settings.get("image"),
+                     (record.get("model") or {}).get("id"), (prompt.get("image") or {}).get("path")]
+        # (each as a model or a picture: run_inputs names a demo's cache folder)
+        inputs = [p for r in read if isinstance(r, str) for p in run_inputs(r, None) if p]
+        outputs: dict[str, str | None] = {what: path}
+        if report:
+            plots = check_report(path)
+            outputs[f"{what}'s plots"] = str(plots) if plots is not None else None
+        check_outputs(outputs, inputs)
 
     # -- history and sessions -------------------------------------------------------------------
     def remember_run(self) -> None:
@@ -202,14 +244,34 @@ class WindowFiles:
         return session_dict(self._input_panel.save(), self._model_panel.save(), self.history,
                             self.history_index)
 
-    def _autosave_session(self) -> None:
+    def _autosave_session(self) -> bool:
+        """Write this window's autosave (never another session's: its first goes where no
+        autosave is, `app.session.new_autosave_path`); returns whether it was written."""
+        if not self._persistent:
+            return False
         from ..core.errors import UserError
-        from .session import autosave_path, save_session
+        from .session import new_autosave_path, save_session
 
         try:
-            save_session(autosave_path(), self._session())
+            if self._autosave_file is None:
+                self._autosave_file = new_autosave_path()
+            save_session(self._autosave_file, self._session())
         except (UserError, OSError) as exc:
             log.warning("autosave failed: %s", exc)
+            return False
+        return True
+
+    def closing(self) -> None:
+        """A clean exit: this window's autosave goes, and those its user declined; a crashed
+        session's that is still waiting for an answer stays, to be offered at the next start."""
+        if not self._persistent:
+            return
+        for path in [self._autosave_file, *self._declined]:
+            try:
+                if path is not None:
+                    path.unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("cannot remove the autosave %s: %s", path, exc.strerror or exc)
 
     def save_session(self, path: str | None = None) -> bool:
         if path is None:
@@ -220,6 +282,11 @@ class WindowFiles:
         from ..core.errors import UserError
         from .session import save_session
 
+        try:
+            self.check_writes("the session", path)
+        except UserError as exc:
+            self._show_error(exc.words("window"))
+            return False
         try:
             save_session(path, self._session())
         except (UserError, OSError) as exc:
@@ -298,54 +365,102 @@ class WindowFiles:
         options = {k: v for k, v in (data.get("options") or {}).items()
                    if k not in NOT_FROM_SESSIONS}
         if options:
-            self._model_panel.restore(options)
+            self._model_panel.restore(options, source)
         if data.get("inputs"):
-            self._input_panel.restore(data["inputs"])
+            self._input_panel.restore(data["inputs"], source)
         self.history, self.history_index = list(data.get("runs") or []), index
         self._history_panel.set_runs(self.history, index)
         if index is not None and run is not None:
             self._show(index, run)
 
     def offer_autosave(self) -> None:
-        """After a crash, the autosaved session is offered back (deleted on a clean exit). One
-        that cannot be read is moved aside (``autosave.json.bad-<time>``) with a line in the
-        banner: whatever is in it, the window starts."""
-        from .session import SessionError, autosave_path, load_session, saved_when
-
-        path = autosave_path()
-        try:
-            if not (path.exists() or path.is_symlink()):
-                return
-            data = load_session(path)
-        except SessionError as exc:
-            self._autosave_unreadable(path, exc.problem)
+        """After a crash, the autosaved sessions are offered back, newest first, one at a time:
+        each is kept until its user restores it (Restore) or declines it (the notice's ✕; it
+        is then removed at a clean exit), so a session that crashes before its user answered
+        loses neither. One that cannot be read is moved aside (``autosave.json.bad-<time>``)
+        with a line in the banner: whatever is in it, the window starts."""
+        if not self._persistent:
             return
-        except Exception as exc:  # noqa: BLE001 - a bug here must not keep the window from starting
-            log.error("reading the autosave failed\n%s", traceback.format_exc())
-            self._autosave_unreadable(path, f"unreadable ({type(exc).__name__}; details in "
-                                            "the log)")
-            return
-        if not data.get("runs"):
-            return
-        when = saved_when(data)
+        from .session import SessionError, autosave_files, load_session
 
-        def restore() -> None:
-            from ..core.errors import UserError
-
-            if self._running() not in (None, "load"):  # a model may load meanwhile; not a run
-                self._show_error("a job is running: cancel it (Esc) before restoring the autosave")
-                return
-            self._notice.hide()
+        self._waiting, self._offered = [], None
+        for path in autosave_files():
+            if path == self._autosave_file:
+                continue
             try:
-                self.apply_session(data, source="the autosave")
-            except UserError as exc:
-                self._show_error(f"cannot restore the autosave: {exc.words('window')}")
-                return
-            self._say("Restored the autosave")
+                data = load_session(path)
+            except SessionError as exc:
+                self._autosave_unreadable(path, exc.problem)
+                continue
+            except Exception as exc:  # noqa: BLE001 - a bug here must not keep the window from starting
+                log.error("reading the autosave failed\n%s", traceback.format_exc())
+                self._autosave_unreadable(path, f"unreadable ({type(exc).__name__}; details in "
+                                                "the log)")
+                continue
+            if data.get("runs"):
+                self._waiting.append((path, data))
+            elif path not in self._declined:  # nothing to restore: removed at a clean exit
+                self._declined.append(path)
+        self._offer_next()
 
+    def _offer_next(self) -> None:
+        from .session import saved_when
+
+        self._offered = None
+        if not self._waiting:
+            return
+        path, data = self._waiting.pop(0)
+        self._offered = path
+        when = saved_when(data)
+        more = f" (then {len(self._waiting)} more)" if self._waiting else ""
         self._notice.offer(f"ctxpatch did not close cleanly last time: restore its "
-                          f"{len(data['runs'])} run(s) and inputs"
-                          + (f" (saved {when})" if when else "") + "?", restore)
+                           f"{len(data['runs'])} run(s) and inputs"
+                           + (f" (saved {when})" if when else "") + f"?{more}",
+                           lambda: self._restore_autosave(path, data),
+                           declined=lambda: self._decline(path))
+
+    def _decline(self, path: Path) -> None:
+        if path not in self._declined:
+            self._declined.append(path)
+        self._offer_next()
+
+    def _restore_autosave(self, path: Path, data: dict[str, Any]) -> None:
+        """Restore an autosave offered back, keeping the runs this window made meanwhile (the
+        restored ones first, the list's last `app.session.MAX_RUNS`); the window's own
+        autosave then holds them, and the restored file is no longer needed."""
+        from ..core.errors import UserError
+        from .session import MAX_RUNS, current_index
+
+        if self._running() not in (None, "load"):  # a model may load meanwhile; not a run
+            self._show_error("a job is running: cancel it (Esc) before restoring the autosave")
+            return
+        if self.history:
+            runs = list(data["runs"]) + self.history
+            cut = max(0, len(runs) - MAX_RUNS)
+            shown = (current_index(data) or 0) - cut
+            data = {**data, "runs": runs[cut:], "current": shown if shown >= 0 else None}
+        self._notice.hide()
+        try:
+            self.apply_session(data, source="the autosave")
+        except UserError as exc:
+            from .session import move_aside
+
+            try:
+                where = f"kept as {move_aside(path)}"
+            except OSError as err:
+                where = f"left as it is ({err.strerror or err})"
+            self._show_error(f"cannot restore the autosave: {exc.words('window')}; {where}")
+            self._offer_next()
+            return
+        self._say("Restored the autosave")
+        if self._autosave_file is None:
+            self._autosave_file = path  # this window's own from now on
+        if self._autosave_session() and path != self._autosave_file:
+            try:  # (its runs are in this window's autosave now)
+                path.unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("cannot remove the restored autosave %s: %s", path, exc)
+        self._offer_next()
 
     def _autosave_unreadable(self, path: Path, problem: str) -> None:
         from .session import move_aside

@@ -1,7 +1,8 @@
 """The input panel: context, an image (button or drag-and-drop), query, presets, how many
 tokens, and the Run and Cancel buttons.
 
-The panel only shows a picture (Qt decodes a thumbnail); the run reads and checks it in core."""
+A picture is read and checked by core's reader, the one the run uses, so that what the run
+would refuse is refused when it is dropped or chosen; the panel shows a thumbnail of it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QDragEnterEvent, QDropEvent, QImageReader, QPixmap
+from PySide6.QtGui import QDragEnterEvent, QDropEvent, QImage, QPixmap
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
@@ -119,21 +120,18 @@ class QtInputPanel(QGroupBox):
             self.set_image("")
 
     def set_image(self, path: str) -> bool:
-        """Show ``path`` as the context image ("" removes it). A file Qt cannot read as a picture
-        is refused with `problem` and the current image is kept; returns whether it was set."""
+        """Show ``path`` as the context image ("" removes it). A file the run would refuse is
+        refused here, with the same line (`core.images.read_image`, the run's own reader: a
+        pipe or a device before it is opened, a BMP, an SVG, a file that is not a picture), as
+        `problem`; the current image is kept. Returns whether it was set."""
         if path:
-            reader = QImageReader(path)
-            reader.setAutoTransform(True)
-            image = reader.read()
-            if image.isNull():
-                self.problem.emit(f"cannot use {path} as an image ({reader.errorString()}): "
-                                  "give a PNG, JPEG, WebP or GIF file")
+            read = _read(path)
+            if isinstance(read, str):
+                self.problem.emit(read)
                 return False
-            pixmap = QPixmap.fromImage(image).scaled(
-                self.THUMB, self.THUMB, Qt.AspectRatioMode.KeepAspectRatio,
-                Qt.TransformationMode.SmoothTransformation)
-            self.image_thumb.setPixmap(pixmap)
-            self.image_label.setText(f"{Path(path).name}\n{image.width()}×{image.height()}")
+            picture, info = read
+            self.image_thumb.setPixmap(_thumbnail(picture, self.THUMB))
+            self.image_label.setText(f"{Path(path).name}\n{info.width}×{info.height}")
             self.image_label.setToolTip(path)
         else:
             self.image_thumb.clear()
@@ -145,6 +143,12 @@ class QtInputPanel(QGroupBox):
         self.image_path = path
         self.image_clear.setEnabled(bool(path))
         return True
+
+    def image_problem(self) -> str | None:
+        """Why the chosen image cannot be used now (it may have changed since it was chosen),
+        as `set_image` says it; None when there is none or it reads."""
+        read = _read(self.image_path) if self.image_path else None
+        return read if isinstance(read, str) else None
 
     def dragEnterEvent(self, event: QDragEnterEvent) -> None:  # noqa: N802 - Qt's name
         urls = event.mimeData().urls()
@@ -190,7 +194,13 @@ class QtInputPanel(QGroupBox):
     def save(self) -> dict[str, Any]:
         return {**self.values(), "chat_template": self.chat_template.isChecked()}
 
-    def restore(self, data: dict[str, Any]) -> None:
+    def restore(self, data: dict[str, Any], source: str = "the restored inputs") -> None:
+        """Set the inputs from ``data`` (`save`'s keys); a value of the wrong type or an absurd
+        size is left out with a warning in the log naming ``source``
+        (`app.panels.values.checked`)."""
+        from .values import checked
+
+        data = checked(data, source)
         if "context" in data:
             self.context.setPlainText(str(data["context"]))
         if "query" in data:
@@ -202,3 +212,24 @@ class QtInputPanel(QGroupBox):
             image = str(data["image"] or "")
             if not image or Path(image).is_file():
                 self.set_image(image)
+
+
+def _read(path: str) -> tuple[Any, Any] | str:
+    """The picture and its `core.images.ImageInfo`, or the one line saying why the run would
+    refuse it."""
+    from ...core.errors import UserError
+    from ...core.images import read_image
+
+    try:
+        return read_image(path)
+    except UserError as exc:
+        return exc.words("window")
+
+
+def _thumbnail(picture: Any, size: int) -> QPixmap:
+    """A Pillow RGB picture (`core.images.read_image`) as a pixmap at most ``size`` square."""
+    small = picture.copy()
+    small.thumbnail((size, size))
+    data = small.tobytes("raw", "RGB")
+    image = QImage(data, small.width, small.height, 3 * small.width, QImage.Format.Format_RGB888)
+    return QPixmap.fromImage(image.copy())  # (copied: the bytes are Python's)

@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
 from ...core.options import ABSORB_MODES as ABSORB
 from ...core.options import DEVICE_MAPS, DEVICES, DTYPES, METHODS, ON_FAULT, SCOPES
 from .. import dialogs
+from .values import Check, as_option, checked, texts
 
 PLACEMENTS = ("one device", *DEVICE_MAPS)
 ABLATIONS = ("input and output", "no input patches", "no output patches (frozen)")
@@ -33,6 +34,32 @@ TIPS = {
              "query: on the current position only (faster; exact at the query).",
     "layers": "Which layers are patched: all, a start like 10:, a range 2:8 or a list 0,5,17. "
               "The first patched layer absorbs all upstream mismatch.",
+}
+
+
+#: the most models the recent list keeps
+MAX_RECENT = 10
+
+
+def _memory(value: Any) -> tuple[str, ...] | None:
+    """Max memory as the panel keeps it (typed text, or a session's list) in the run's form."""
+    if value is None or isinstance(value, list):
+        return None if value is None else tuple(value)
+    return tuple(value.split()) or None
+
+
+def _placement(value: Any) -> str | None:
+    return None if value is None or value in PLACEMENTS else (
+        f"not one of {', '.join(PLACEMENTS)}")
+
+
+#: the panel's own values in what it restores, and their checks (`app.panels.values.checked`)
+OWN: dict[str, Check] = {
+    "recent": texts(MAX_RECENT),
+    "device_map": _placement,
+    "max_memory": as_option("max_memory", _memory, beside={"device_map": "auto"}),
+    "offload_folder": as_option("offload_folder", beside={"device_map": "auto"}),
+    "disable": as_option("disabled"),  # (what 0.1 wrote for disabled)
 }
 
 
@@ -167,7 +194,7 @@ class QtModelPanel(QGroupBox):
         fp = estimate(self.spec(), self.dtype.currentText())
         self.footprint.setText(footprint_text(fp) if fp else "unknown until loaded")
 
-    def remember(self, spec: str, limit: int = 10) -> None:
+    def remember(self, spec: str, limit: int = MAX_RECENT) -> None:
         """Put a successfully loaded model first in the recent list."""
         items = [self.model.itemText(i) for i in range(self.model.count())]
         items = [spec] + [s for s in items if s != spec]
@@ -219,7 +246,11 @@ class QtModelPanel(QGroupBox):
                 "max_memory": self.max_memory.text(), "offload_folder": self.offload_folder.text(),
                 **self.options()}
 
-    def restore(self, data: dict[str, Any]) -> None:
+    def restore(self, data: dict[str, Any], source: str = "the restored options") -> None:
+        """Set the controls from ``data`` (`save`'s keys, or the run's options by name); a value
+        of the wrong type or an absurd size is left out with a warning in the log naming
+        ``source`` (`app.panels.values.checked`), its control unchanged or at its default."""
+        data = checked(data, source, OWN)
         recent = [str(s) for s in (data.get("recent") or []) if s]
         self.model.blockSignals(True)
         self.model.clear()

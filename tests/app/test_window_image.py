@@ -72,7 +72,7 @@ def test_dropping_files(qtbot: Any, keep: Any, settings: Any, image_model_dir: s
     notes = tmp_path / "notes.png"
     notes.write_text("not a picture")
     _drop(w, str(notes))
-    assert "cannot use" in w.last_error and "notes.png" in w.last_error
+    assert "cannot read" in w.last_error and "notes.png" in w.last_error
     assert w.input_panel.image_path == sample_image_path()  # the good one is kept
     w.input_panel.image_clear.click()
     assert w.input_panel.image_path == ""
