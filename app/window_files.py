@@ -175,7 +175,7 @@ class WindowFiles:
         inputs = [p for r in read if isinstance(r, str) for p in run_inputs(r, None) if p]
         outputs: dict[str, str | None] = {what: path}
         if report:
-            plots = check_report(path)
+            plots = check_report(path, inputs)
             outputs[f"{what}'s plots"] = str(plots) if plots is not None else None
         check_outputs(outputs, inputs)
 
