@@ -173,11 +173,9 @@ class WindowFiles:
                      (record.get("model") or {}).get("id"), (prompt.get("image") or {}).get("path")]
         # (each as a model or a picture: run_inputs names a demo's cache folder)
         inputs = [p for r in read if isinstance(r, str) for p in run_inputs(r, None) if p]
-        outputs: dict[str, str | None] = {what: path}
-        if report:
-            plots = check_report(path, inputs)
-            outputs[f"{what}'s plots"] = str(plots) if plots is not None else None
-        check_outputs(outputs, inputs)
+        check_outputs({what: path}, inputs)
+        if report:  # its plots folder beside it: a file of that name, or one holding an input
+            check_report(path, inputs)
 
     # -- history and sessions -------------------------------------------------------------------
     def remember_run(self) -> None:

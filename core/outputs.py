@@ -98,8 +98,9 @@ def check_report(path: str | None, inputs: Iterable[str | None] = ()) -> Path | 
     for source in (p for p in inputs if p and os.path.exists(os.path.expanduser(p))):
         real = _real(source)
         if _inside(real, folder):
-            raise UserError(f"the report's plots go into {plots}, which would overwrite {source}"
-                            ", which this run reads: name the report differently")
+            held = "" if real == folder else f", which holds {source}"
+            raise UserError(f"the report's plots go into {plots}{held}, which this run reads: "
+                            "name the report differently")
     return plots
 
 

@@ -70,7 +70,7 @@ def test_the_plots_never_replace_an_input(model: Path, tmp_path: Path) -> None:
     before = _tree(tmp_path)
     assert main(_compare(inside, "--report", str(tmp_path / "X.html"))) == 2
     assert _tree(tmp_path) == before
-    with pytest.raises(UserError, match="would overwrite"):
+    with pytest.raises(UserError, match="which holds"):
         check_report(str(tmp_path / "X.html"), [str(inside / "config.json")])
     assert check_report(str(tmp_path / "Y.html"), [str(inside / "config.json")]) == \
         tmp_path / "Y_plots"
