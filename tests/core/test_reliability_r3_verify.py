@@ -365,7 +365,10 @@ def _mutated(metadata: dict[str, str], data: Any) -> dict[str, str]:
     from ctxpatch.core.patchfile import JSON_KEYS
 
     metadata = dict(metadata)
-    key = data.draw(st.sampled_from(sorted(metadata)), label="key")
+    key = data.draw(st.sampled_from(sorted({*metadata, *JSON_KEYS})), label="key")
+    if key not in metadata:  # a key the file lacks (image, processor), with any JSON value
+        metadata[key] = json.dumps(data.draw(JSON_VALUES, label="value"))
+        return metadata
     how = data.draw(st.sampled_from(["replace", "delete", "text"]), label="how")
     if how == "text" or key not in JSON_KEYS:
         if how == "delete":
