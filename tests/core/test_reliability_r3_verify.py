@@ -427,3 +427,17 @@ def test_any_mutation_of_the_metadata_reads_or_is_one_line(patches, data) -> Non
         check_header(_mutated(_meta(patches), data), "p.safetensors")
     except UserError as exc:
         assert "\n" not in str(exc)
+
+
+def test_the_python_api_records_the_fingerprint_too(folder: Path, tmp_path: Path) -> None:
+    import ctxpatch
+
+    run = ctxpatch.compare(str(folder), context="Alice lives in Paris.", query="Where?",
+                           max_new_tokens=2, device="cpu")
+    path = tmp_path / "api.safetensors"
+    run.save_patches(path)
+    assert json.loads(_meta(path)["weights"])["dtype"] == "float32"
+    assert ctxpatch.verify(path, model=str(folder)).ok
+    other = _scaled_copy(folder, tmp_path / "scaled", "model.norm.weight", 1.01)
+    with pytest.raises(ctxpatch.OptionError, match=r"differ .*\(model\.norm\.weight\)"):
+        ctxpatch.verify(path, model=str(other))
