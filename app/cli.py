@@ -201,7 +201,7 @@ def _load(run: Any, say: _Progress) -> Any:
 
 def run_compare(args: argparse.Namespace) -> int:
     from ..core.controllability import conditioning_line, outcome, summary_lines
-    from ..core.export import save_patches, steps_csv, write_json, write_text
+    from ..core.export import patches_made_with, save_patches, steps_csv, write_json, write_text
     from ..core.plan import RunPlan
     from ..core.results import summarize
     from ..core.runs import prepare, prompt_of, run_comparison, verify_run
@@ -246,7 +246,8 @@ def run_compare(args: argparse.Namespace) -> int:
         write_text(args.csv, steps_csv(steps))
     if args.save_patches:
         n = save_patches(args.save_patches, steps, run.model, run.dtype, done.spec,
-                         image=done.prompt.image)
+                         image=done.prompt.image,
+                         made_with=patches_made_with(loaded, done.prompt.image is not None))
         say(f"saved {n} patch tensors to {args.save_patches}")
     if args.report:  # last: the data above is safe whatever happens to the report
         from ..core.record import read_record
@@ -319,23 +320,39 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def run_verify(args: argparse.Namespace) -> int:
     from ..core.controllability import conditioning_line
+    from ..core.patchfile import read_header
     from ..core.runs import default_tolerance, verdict
-    from ..core.verify import image_pixels, read_patches, recorded_image, verify_patches
+    from ..core.verify import (
+        check_made_with,
+        image_pixels,
+        read_patches,
+        recorded_image,
+        verify_patches,
+    )
 
     say = _Progress(False)
-    check_outputs({"--json": args.json}, _inputs(args, args.patches), text=("--json",))
     default_tolerance("float64", args.tolerance)  # a bad --tolerance fails before any work
+    # the header alone first (no tensors): the model and the picture it names are inputs too,
+    # which --json must not overwrite, checked before anything is read or loaded
+    header = read_header(args.patches)
+    model = args.model or header.get("model") or "demo"
+    recorded = (header.get("image") or {}).get("path")
+    check_outputs({"--json": args.json}, run_inputs(model, args.image, recorded, args.patches),
+                  text=("--json",))
     pf = read_patches(args.patches)
-    dtype = args.dtype or pf.metadata.get("dtype", "float32")
-    run = spec.from_namespace(args, model=args.model or pf.metadata.get("model") or "demo",
-                              dtype=dtype)
+    dtype = args.dtype or pf.header.get("dtype", "float32")
+    run = spec.from_namespace(args, model=model, dtype=dtype)
     picture = recorded_image(pf, args.image)
     loaded = _load(run, say)
     pixels = image_pixels(loaded, picture)
     say(conditioning_line(pf.conditioning))
+    weights = check_made_with(loaded, pf)  # (another model or other weights: one line, exit 2)
+    say(f"weights: {weights}")
     checks = verify_patches(loaded, pf, progress=lambda d, t: say("checking step", d, t),
-                            pixels=pixels)
+                            pixels=pixels, made_with=False)
     result = verdict(checks, default_tolerance(dtype, args.tolerance))
+    checked = (f"checked: {len(checks)} step(s) with {pf.tensor_count} patch tensor(s) written "
+               f"into the weights; weights {weights}")
     if args.json:
         import json
         from dataclasses import asdict
@@ -343,12 +360,16 @@ def run_verify(args: argparse.Namespace) -> int:
         from ..core.export import write_json
 
         data = {"ok": result.ok, "tolerance": result.to_dict()["tolerance"],
-                "conditioning": pf.conditioning, "steps": [asdict(c) for c in checks]}
+                "conditioning": pf.conditioning, "steps": [asdict(c) for c in checks],
+                "checked": {"steps": len(checks), "patch_tensors": pf.tensor_count,
+                            "weights": weights}}
         if args.json == STDOUT:
             print(json.dumps(data, indent=1))
         else:
             write_json(args.json, data)
-    print(result.line(), file=sys.stderr if args.json == STDOUT else sys.stdout)
+    verdict_to = sys.stderr if args.json == STDOUT else sys.stdout
+    print(result.line(), file=verdict_to)
+    print(checked, file=verdict_to)
     return 0 if result.ok else 1
 
 

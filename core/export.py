@@ -171,11 +171,13 @@ def patch_step_meta(s: StepResult) -> dict[str, Any]:
 
 def save_patches(
     path: str | Path, steps: Sequence[StepResult], model_id: str, dtype: str, settings: RunSpec,
-    image: ImageInfo | None = None,
+    image: ImageInfo | None = None, made_with: dict[str, Any] | None = None,
 ) -> int:
     """Write every step's patches as one safetensors file; returns the tensor count.
 
     ``image``: the context's picture, recorded (path, sha256) so `verify` can find it again.
+    ``made_with``: what the patches were made with (`patches_made_with`): the fingerprint of the
+    weights and, with a picture, the processor, which `verify` compares.
 
     Raises:
         UserError: when the run kept no patches (``RunSpec.keep_patches`` was off).
@@ -206,5 +208,18 @@ def save_patches(
     }
     if image is not None:
         metadata["image"] = json.dumps(image.to_dict())
+    for key in ("weights", "processor"):
+        if (made_with or {}).get(key) is not None:
+            metadata[key] = json.dumps(made_with[key])  # type: ignore[index]
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     return len(tensors)
+
+
+def patches_made_with(loaded: Any, image: bool = False) -> dict[str, Any]:
+    """What a run's patches are made with, for `save_patches`: the fingerprint of the loaded
+    model's weights (`core.patchfile.weights_fingerprint`) and, for a run with a picture
+    (``image``), its processor. Taken when the run is done (the weights are as loaded again)."""
+    from .patchfile import processor_record, weights_fingerprint
+
+    return {"weights": weights_fingerprint(loaded.model),
+            "processor": processor_record(loaded.processor) if image else None}

@@ -17,7 +17,6 @@ their scale apart, which a fresh reference would charge to the patches (issue 16
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -28,86 +27,66 @@ from typing import Any
 import torch
 
 from .errors import Cancelled, UserError, mention
-from .export import PATCHES_FORMATS, patch_step_meta
+from .export import patch_step_meta
 from .forward import last_logits, logit_distance, rolled_back, written_
 from .loading import LoadedModel
+from .patchfile import ADVICE, check_header, compare_processor, compare_weights, existing
 
 _NAME = re.compile(r"^step\.(\d+)\.(.+?)(?:\[(\d+)\])?\.(u|v|delta)$")
 
 
 @dataclass
 class PatchFile:
-    """A parsed patches file: metadata and, per step, parameter -> patch tensors."""
+    """A parsed patches file: metadata, its checked header (`core.patchfile.check_header`: the
+    metadata with its JSON values parsed) and, per step, parameter -> patch tensors."""
 
     metadata: dict[str, str]
     steps: list[dict[str, Any]]
     patches: dict[int, dict[tuple[str, int | None], dict[str, torch.Tensor]]] = field(
         default_factory=dict
     )
+    header: dict[str, Any] = field(default_factory=dict)
 
     @property
     def conditioning(self) -> dict[str, Any] | None:
-        """The run's conditioning summary (format /2 on; None before or when unreadable)."""
-        try:
-            value = json.loads(self.metadata.get("conditioning") or "null")
-        except json.JSONDecodeError:
-            return None
+        """The run's conditioning summary (format /2 on; None before)."""
+        value = self.header.get("conditioning")
         return value if isinstance(value, dict) else None
+
+    @property
+    def tensor_count(self) -> int:
+        """The patch tensors (u, v, delta) over all steps."""
+        return sum(len(parts) for params in self.patches.values() for parts in params.values())
 
 
 def read_patches(path: str | Path) -> PatchFile:
-    """Read and check a patches file; any problem is a `UserError` naming the file."""
+    """Read and check a patches file: its header first (`core.patchfile.check_header`), then its
+    tensors; any problem is a `UserError` naming the file."""
     from safetensors import SafetensorError
     from safetensors.torch import safe_open
 
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"no such patches file: {path}")
+    existing(path)
     try:
-        with safe_open(str(p), framework="pt") as f:
+        with safe_open(str(path), framework="pt") as f:
             metadata = dict(f.metadata() or {})
+            header = check_header(metadata, str(path))
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise UserError(f"cannot read patches file {path}: {str(exc).splitlines()[0]}") from None
-    if metadata.get("format") not in PATCHES_FORMATS:
-        raise UserError(f"{path} is not a ctxpatch patches file "
-                        f"(format {metadata.get('format')!r})")
-    try:
-        steps = json.loads(metadata["steps"])
-    except (KeyError, json.JSONDecodeError):
-        raise UserError(f"{path} has no readable step list in its metadata") from None
-    _check_steps(steps, str(path))
-    pf = PatchFile(metadata=metadata, steps=steps)
+    steps = [{"reduced_position_ids": None, **step} for step in header["steps"]]
+    pf = PatchFile(metadata=metadata, steps=steps, header=header)
     for key, tensor in tensors.items():
         _add_tensor(pf, key, tensor, str(path))
     _check_tensors(pf, str(path))
     return pf
 
 
-def _ids(value: Any, allow_empty: bool) -> bool:
-    return (isinstance(value, list) and (allow_empty or bool(value))
-            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value))
-
-
-def _check_steps(steps: Any, source: str) -> None:
-    """The metadata's step list: one entry per step, with token ids that are ids."""
-    if not isinstance(steps, list) or not steps:
-        raise UserError(f"{source} lists no steps: there is nothing to verify (was the run "
-                        "cancelled before its first token?)")
-    for t, meta in enumerate(steps):
-        if not (isinstance(meta, dict) and _ids(meta.get("full_input_ids"), False)
-                and _ids(meta.get("reduced_input_ids"), False)):
-            raise UserError(f"{source}: step {t} of its step list has no valid token ids "
-                            "(full_input_ids, reduced_input_ids)")
-        pos = meta.get("reduced_position_ids")
-        if pos is not None and not (_ids(pos, False)
-                                    and len(pos) == len(meta["reduced_input_ids"])):
-            raise UserError(f"{source}: step {t}'s reduced_position_ids do not match its ids")
-
-
 def _check_tensors(pf: PatchFile, source: str) -> None:
     """Every patch belongs to a listed step, is complete (u and v, or delta), one-dimensional,
-    floating point and finite."""
+    floating point and finite; the file holds patches, and for every listed step."""
+    if not pf.patches:
+        raise UserError(f"{source} holds no patch tensors: there is nothing to verify (a run "
+                        f"with every patch kind disabled?); {ADVICE}")
     for step, params in pf.patches.items():
         if step >= len(pf.steps):
             raise UserError(f"{source} has patches for step {step}, but its step list has "
@@ -124,13 +103,27 @@ def _check_tensors(pf: PatchFile, source: str) -> None:
                 if not bool(torch.isfinite(tensor).all()):
                     raise UserError(f"{source}: the patch of {label} ({part}) holds NaN or "
                                     "infinite entries")
+    missing = [t for t in range(len(pf.steps)) if t not in pf.patches]
+    if missing:  # (every step of a run patches the same parameters)
+        raise UserError(f"{source} lists {len(pf.steps)} steps, but {len(missing)} of them "
+                        f"have no patch tensors (step {missing[0]} first): the file was edited "
+                        f"or cut; {ADVICE}")
 
 
 def check_against(model: torch.nn.Module, pf: PatchFile) -> None:
-    """Before any forward pass: every patched parameter exists with the patch's shape, and
-    every token id is in the model's vocabulary."""
+    """Before any forward pass: every patched parameter exists with the patch's shape, every
+    token id is in the model's vocabulary, and every step's sequence within its positions (the
+    steps of a file add one token each: this bounds their count too)."""
+    from .plan import _max_positions
+
     params = dict(model.named_parameters())
     vocab = model.get_input_embeddings().weight.shape[0]
+    limit = _max_positions(model)
+    longest = max(len(meta["full_input_ids"]) for meta in pf.steps)
+    if limit is not None and longest > limit:
+        raise UserError(f"these patches run {longest} positions ({len(pf.steps)} steps), beyond "
+                        f"this model's {limit}: they were made with another model "
+                        f"({mention('model')}), or the file was edited; {ADVICE}")
     for t, meta in enumerate(pf.steps):
         top = max(max(meta["full_input_ids"]), max(meta["reduced_input_ids"]))
         if top >= vocab:
@@ -248,7 +241,7 @@ def recorded_image(pf: PatchFile, path: str | None = None) -> tuple[Any, Any] | 
     so a missing picture fails before the model loads."""
     from .images import ImageInfo, read_image, reopen
 
-    recorded = json.loads(pf.metadata["image"]) if pf.metadata.get("image") else None
+    recorded = pf.header.get("image")
     if recorded is None:
         return None if path is None else read_image(path)
     return reopen(ImageInfo.from_dict(recorded), path)
@@ -265,16 +258,32 @@ def image_pixels(loaded: LoadedModel, picture: tuple[Any, Any] | None) -> dict[s
     return encode_image(loaded.processor, picture[0])[1]
 
 
+def check_made_with(loaded: LoadedModel, pf: PatchFile) -> str:
+    """Before any forward pass: `check_against`, then the weights are those the patches were
+    made for (the fingerprint the file records) and a picture goes through the processor they
+    were made with. Returns what the weights check found (`core.patchfile.compare_weights`).
+
+    Raises:
+        UserError: another model, other weights, another image processor.
+    """
+    check_against(loaded.model, pf)
+    compare_processor(pf.header.get("processor"), loaded.processor)
+    return compare_weights(pf.header.get("weights"), loaded.model, loaded.spec)
+
+
 def verify_patches(
     loaded: LoadedModel,
     pf: PatchFile,
     progress: Callable[[int, int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     pixels: dict[str, Any] | None = None,
+    made_with: bool = True,
 ) -> list[StepCheck]:
     """Compare patched-weights reduced logits with the full-context logits at every step.
 
     ``pixels``: the image's inputs (`image_pixels`) when the full ids hold image tokens.
+    ``made_with``: `check_made_with` first (off: the caller did, and said what it found;
+    `check_against` runs either way).
     """
     model, device = loaded.model, loaded.device
     image_token = getattr(model.config, "image_token_id", None)
@@ -282,11 +291,14 @@ def verify_patches(
             image_token in meta["full_input_ids"] for meta in pf.steps):
         raise UserError("these patches were made with an image in the context: pass "
                         f"{mention('image', metavar='FILE')}")
-    check_against(model, pf)
+    if made_with:
+        check_made_with(loaded, pf)
+    else:
+        check_against(model, pf)
     # scope query with absorb context: the run extended a cache of the reduced prefix and patched
     # the last token alone; with absorb all it ran the (one or two token) reduced sequence in one
     # pass, patched at its last position, which written-in weights can only do split this way too
-    query_scope = pf.metadata.get("scope") == "query"
+    query_scope = pf.metadata.get("scope") == "query"  # (checked: one of the scopes, or none)
     checks: list[StepCheck] = []
     full_run, prefix = _Fed(model, device), _Fed(model, device)
 

@@ -101,6 +101,7 @@ class Run:
     record: dict[str, Any]
     spec: Any  # ctxpatch.core.spec.RunSpec, as the run resolved it
     image: Any = None  # ctxpatch.core.images.ImageInfo of the context's picture
+    made_with: Any = None  # what the patches were made with (core.export.patches_made_with)
 
     @property
     def summary(self) -> dict[str, Any]:
@@ -139,7 +140,7 @@ class Run:
 
         self._check(path)
         return save_patches(path, self.steps, self.spec.model, self.spec.dtype, self.spec,
-                            image=self.image)
+                            image=self.image, made_with=self.made_with)
 
     def report(self, path: str | Path) -> list[Path]:
         """The HTML report, or PDF when ``path`` ends in .pdf, with its plots beside it (drawn
@@ -191,6 +192,7 @@ def compare(model: Any = "demo", *, context: str = "", query: str = "", image: s
             ``output_control``, ``disabled``, ``top_k``, ``on_fault``, ...). The patches are
             kept (``save_patches`` works) unless ``keep_patches=False``.
     """
+    from .core.export import patches_made_with
     from .core.loading import LoadedModel
     from .core.runs import compare as run_compare
     from .core.runs import load as load_spec
@@ -224,7 +226,9 @@ def compare(model: Any = "demo", *, context: str = "", query: str = "", image: s
         raise OptionError(str(exc)) from None
     if verify:
         verify_run(loaded, done)
-    return Run(done.steps, done.record, done.spec, done.prompt.image)
+    made_with = (patches_made_with(loaded, done.prompt.image is not None)
+                 if spec.keep_patches else None)  # (the weights' fingerprint, for save_patches)
+    return Run(done.steps, done.record, done.spec, done.prompt.image, made_with)
 
 
 @dataclass(frozen=True)
