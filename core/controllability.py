@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from .results import ENTRY_BOUND  # (numpy only, no torch)
+
 if TYPE_CHECKING:  # `outcome` and `summary_lines` run in the window's thread without torch
     from .adapters.base import LayerSites
     from .engine import PatchSpec
@@ -263,14 +265,17 @@ def conditioning_line(cond: dict[str, Any] | None) -> str:
     if cond.get("hard_case_steps"):
         parts.append(f"stable hard case at {cond['hard_case_layers']} layer-step(s) over "
                      f"{cond['hard_case_steps']} token(s)")
+    bound = cond.get("bound")
+    if not isinstance(bound, int | float) or not math.isfinite(bound):
+        bound = ENTRY_BOUND  # (a record's null)
     n = cond.get("unbounded_layers", 0)
     if n:
-        tail = (f"unbounded (over {cond.get('bound', 100):g}x) at {n} layer-step(s) over "
+        tail = (f"unbounded (over {bound:g}x) at {n} layer-step(s) over "
                 f"{cond.get('unbounded_steps', 0)} token(s): exact as rank-1 actions, but "
                 "written into weights of this precision they amplify its rounding "
                 "(method 'stable' bounds post-norm scale patches)")
     else:
-        tail = f"bounded (within {cond.get('bound', 100):g}x) at every layer and token"
+        tail = f"bounded (within {bound:g}x) at every layer and token"
     return "conditioning: " + ", ".join(parts) + "; " + tail
 
 

@@ -222,10 +222,16 @@ class _Pooled(TypedDict, total=False):
     matches: Int32
 
 
+class _Place(TypedDict):  # a step and a layer, both (conditioning_line names them)
+    __pydantic_config__ = ConfigDict(strict=True, extra="forbid")  # type: ignore[misc]
+    step: Int32
+    layer: Int32
+
+
 class _Conditioning(TypedDict, total=False):  # core.results.conditioning, as shown in reports
     __pydantic_config__ = _STRICT  # type: ignore[misc]
     max_abs_scale_patch: Real
-    max_abs_scale_patch_at: dict[Literal["step", "layer"], Int32] | None
+    max_abs_scale_patch_at: _Place | None
     max_entry_ratio: Real
     bound: Real
     unbounded_layers: Int32

@@ -81,3 +81,16 @@ def test_mutated_bytes(junk: bytes, at: int) -> None:
     except ValueError:
         return  # not JSON: the readers of files say so before this point
     _read(data)
+
+
+def test_a_conditioning_place_needs_its_step_and_layer() -> None:
+    """Found by the patches-file fuzz: ``max_abs_scale_patch_at: {"step": 1}`` passed the schema
+    and crashed the conditioning line; a null bound too."""
+    import pytest
+    from ctxpatch.core.controllability import conditioning_line
+
+    data = json.loads(json.dumps(RECORD))
+    data["summary"]["conditioning"] = {"max_abs_scale_patch_at": {"step": 1}}
+    with pytest.raises(UserError, match="max_abs_scale_patch_at"):
+        read_record(data)
+    assert "within 100x" in conditioning_line({"max_entry_ratio": 1.0, "bound": None})
