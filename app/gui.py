@@ -189,6 +189,7 @@ def run_app(args: argparse.Namespace) -> int:
     _WINDOWS.append(window)  # alive until the process ends (never destroyed mid-session)
     if screenshot:  # the model may come from the settings: never a file it reads
         window.files.check_writes("--screenshot", screenshot)
+        picture_format(screenshot)  # a format Qt cannot write: before the run, not after
     sys.excepthook = _excepthook
     window.show()
     logging.getLogger("ctxpatch").info("window shown %.2f s after start", time.perf_counter() - t0)
@@ -196,6 +197,26 @@ def run_app(args: argparse.Namespace) -> int:
         window.offer_autosave()
         return int(app.exec())
     return _screenshot(app, window, screenshot)
+
+
+def picture_format(path: str) -> str:
+    """The format a picture is saved in, from its name (PNG when it says none).
+
+    Raises:
+        UserError: Qt cannot write that format.
+    """
+    from pathlib import Path
+
+    from PySide6.QtGui import QImageWriter
+
+    from ..core.errors import UserError
+
+    kind = Path(path).suffix.lstrip(".").upper() or "PNG"
+    if kind.lower() not in {bytes(f.data()).decode().lower()
+                            for f in QImageWriter.supportedImageFormats()}:
+        raise UserError(f"cannot write {path}: Qt cannot save a picture as {kind} (name it "
+                        ".png)")
+    return kind
 
 
 def write_picture(picture: Any, path: str) -> None:
@@ -210,7 +231,7 @@ def write_picture(picture: Any, path: str) -> None:
     from ..core.errors import UserError
     from ..core.export import atomic_write
 
-    kind = Path(path).suffix.lstrip(".").upper() or "PNG"
+    kind = picture_format(path)
 
     def write(tmp: str) -> None:
         if not picture.save(tmp, kind):

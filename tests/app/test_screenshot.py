@@ -59,3 +59,15 @@ def test_trust_flags_on_the_command_line_tick_the_boxes_for_this_start(
     keep(w)
     assert w.model_panel.trust_flags() == {"trust_remote_code": True, "allow_pickle": True}
     assert "trust_remote_code" not in w.model_panel.save()  # never remembered
+
+
+def test_a_screenshot_format_qt_cannot_write_fails_before_the_run(tmp_path: Any, capsys: Any,
+                                                                  monkeypatch: Any) -> None:
+    """Issue 36 #22: `--screenshot shot.xyz` failed only after the whole run, with no reason."""
+    from ctxpatch.app import gui
+
+    monkeypatch.setattr(gui, "_screenshot", lambda app, window, path: 0)  # (the run, the save)
+    code = main(["--screenshot", str(tmp_path / "shot.xyz"), "--query", "q"])
+    assert code == 2
+    assert "Qt cannot save a picture as XYZ (name it .png)" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
