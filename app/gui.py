@@ -226,7 +226,6 @@ def write_picture(picture: Any, path: str) -> None:
     Raises:
         UserError: it cannot be written, or Qt cannot write that format.
     """
-    from pathlib import Path
 
     from ..core.errors import UserError
     from ..core.export import atomic_write
