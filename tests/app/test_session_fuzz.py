@@ -14,6 +14,7 @@ import pytest
 from ctxpatch.app.main_window import MainWindow
 from ctxpatch.app.session import SessionError, autosave_path, load_session, shown_run
 from ctxpatch.core.record import read_record
+from fuzz_json import DELETE, JSON, paths
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,24 +23,9 @@ V0 = json.loads(FIXTURE.read_text())
 V1 = {**{k: v for k, v in V0.items() if k != "run"}, "schema_version": 1,
       "options": {"model": "demo", "recent": ["demo"], "dtype": "float32", "layers": "all"},
       "runs": [V0["run"], V0["run"]], "current": 1}
-DELETE = object()
 
 
-def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out = [prefix]
-    children = (node.items() if isinstance(node, dict) else
-                enumerate(node) if isinstance(node, list) else ())
-    for key, child in children:
-        out += _paths(child, (*prefix, key))
-    return out
-
-
-PATHS = [(0, p) for p in _paths(V0) if p] + [(1, p) for p in _paths(V1) if p]
-JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
-                                                                  max_size=3),
-    max_leaves=6)
+PATHS = [(0, p) for p in paths(V0) if p] + [(1, p) for p in paths(V1) if p]
 
 
 @st.composite

@@ -13,29 +13,15 @@ from typing import Any
 from ctxpatch.core.errors import UserError
 from ctxpatch.core.record import read_record
 from ctxpatch.core.results import conditioning, summarize
+from fuzz_json import DELETE, JSON, paths
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 FIXTURE = Path(__file__).parents[1] / "app" / "fixtures" / "session_v0.json"
 RECORD = json.loads(FIXTURE.read_text())["run"]
-DELETE = object()
 
 
-def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out = [prefix]
-    children = (node.items() if isinstance(node, dict) else
-                enumerate(node) if isinstance(node, list) else ())
-    for key, child in children:
-        out += _paths(child, (*prefix, key))
-    return out
-
-
-PATHS = [p for p in _paths(RECORD) if p]
-JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
-                                                                  max_size=3),
-    max_leaves=6)
+PATHS = [p for p in paths(RECORD) if p]
 
 
 def _read(data: Any) -> None:

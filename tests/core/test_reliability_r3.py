@@ -331,3 +331,16 @@ def test_a_damaged_saved_run_is_redone(model: Path, tmp_path: Path) -> None:
     assert not any("reusing" in line for line in said)
     assert [r["steps"][0]["patched_token"] for r in again.values()] == \
         [r["steps"][0]["patched_token"] for r in first.values()]
+
+
+def test_bytes_that_are_not_utf8_are_one_line_before_the_load(
+        model: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Case 14: `--context $'\\xff'` reaches Python as a lone surrogate (surrogateescape); it
+    was an internal TypeError from the tokenizer."""
+    from ctxpatch.core import loading
+
+    monkeypatch.setattr(loading, "_load_model", lambda *a, **k: pytest.fail("loaded"))
+    argv = _compare(model)
+    argv[argv.index("--context") + 1] = b"caf\xff".decode("utf-8", "surrogateescape")
+    assert main(argv) == 2
+    assert "context is not valid text (it holds bytes that are not UTF-8)" in _one_line(capsys)

@@ -11,7 +11,6 @@ or gives one line (hypothesis).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import shutil
@@ -20,22 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_case import CASE, _digest  # (and the `folder` fixture: tests/core/conftest.py)
 from ctxpatch.app.cli import main
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny import llama_config, save_tiny_folder
-
-CASE = ["--context", "Alice lives in Paris.", "--query", "Where?", "--max-new-tokens", "2"]
-
-
-def _digest(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())
-            if p.is_file()}
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return Path(save_tiny_folder(tmp_path_factory.mktemp("tiny-llama"), llama_config(layers=2)))
+from tiny import save_tiny_folder
 
 
 @pytest.fixture(scope="module")
