@@ -27,7 +27,7 @@ from typing_extensions import NotRequired, TypedDict  # pydantic needs this Type
 
 from ..core.errors import UserError
 from ..core.options import DeviceMap, PatchKind
-from ..core.record import _STRICT, Int32, _Run, first_problem, record_schema
+from ..core.record import _STRICT, SCHEMA_LOCK, Int32, _Run, first_problem, record_schema
 
 if TYPE_CHECKING:
     from ..core.record import RunRecord
@@ -149,12 +149,14 @@ def _check(data: dict[str, Any]) -> None:
     from ..core import spec
 
     cls = spec._current()
-    if cls not in _CHECK:
-        record_schema()  # (its settings from the current RunSpec)
-        Session.__annotations__["options"] = NotRequired[_options()]
-        _CHECK.clear()
-        _CHECK[cls] = TypeAdapter(Session)
-    _CHECK[cls].validate_python(data)
+    with SCHEMA_LOCK:  # (a session is read on the worker, a record checked on the GUI thread)
+        if cls not in _CHECK:
+            record_schema()  # (its settings from the current RunSpec)
+            Session.__annotations__["options"] = NotRequired[_options()]
+            _CHECK.clear()
+            _CHECK[cls] = TypeAdapter(Session)
+        check = _CHECK[cls]
+    check.validate_python(data)
 
 
 #: options a session never sets: they are given for one start only (QtModelPanel.restore)

@@ -16,6 +16,7 @@ NaN (`core.results.nan_max`'s rule: a NaN anywhere makes a summary NaN, never 0)
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Annotated, Any, Literal, get_type_hints
@@ -290,18 +291,26 @@ class _Run(TypedDict):  # DESIGN.md "Run JSON"
     verification: NotRequired[dict[str, Any] | None]
 
 _RECORDS: dict[type, TypeAdapter[Any]] = {}  # per RunSpec class, built on first use (0.1 s)
+#: held while a schema is built (the window's worker and its GUI thread both check records)
+SCHEMA_LOCK = threading.RLock()
 
 
 def record_schema() -> Any:
     """The run record's schema, with ``settings`` from the current `RunSpec` (`_run_settings`)."""
+    _record_adapter()  # (builds it for the current RunSpec)
+    return _Run
+
+
+def _record_adapter() -> TypeAdapter[Any]:
     from . import spec
 
     cls = spec._current()
-    if cls not in _RECORDS:
-        _Run.__annotations__["settings"] = _run_settings()
-        _RECORDS.clear()
-        _RECORDS[cls] = TypeAdapter(_Run)
-    return _Run
+    with SCHEMA_LOCK:
+        if cls not in _RECORDS:
+            _Run.__annotations__["settings"] = _run_settings()
+            _RECORDS.clear()
+            _RECORDS[cls] = TypeAdapter(_Run)
+        return _RECORDS[cls]
 
 
 def _where(loc: tuple[int | str, ...]) -> str:
@@ -343,11 +352,8 @@ def check_record(record: Any, source: str = "the record") -> dict[str, Any]:
     while version in MIGRATIONS:
         record = MIGRATIONS[version](record)
         version = record["schema_version"]
-    record_schema()
-    from . import spec
-
     try:
-        _RECORDS[spec._current()].validate_python(record)
+        _record_adapter().validate_python(record)
     except ValidationError as exc:
         raise UserError(f"{source} is damaged or incomplete ({first_problem(exc)}): re-export "
                         "it from the run, or open another file") from None
