@@ -194,9 +194,12 @@ def tiny_loaded(config: Any, dtype: torch.dtype = torch.float64, seed: int = 0) 
 def save_tiny_folder(folder: Any, config: Any | None = None, seed: int = 0) -> Any:
     """Write a tiny random Llama (random norms) and the tiny tokenizer as a model folder, the
     way a user's local checkpoint looks; returns the folder."""
+    from ctxpatch.core.loading import quiet_transformers
+
     loaded = tiny_loaded(config or llama_config(), dtype=torch.float32, seed=seed)
-    loaded.model.save_pretrained(folder)
-    loaded.tokenizer.save_pretrained(folder)
+    with quiet_transformers():  # (its "Writing model shards" bar is no output of the app's)
+        loaded.model.save_pretrained(folder)
+        loaded.tokenizer.save_pretrained(folder)
     return folder
 
 
@@ -316,9 +319,12 @@ def tiny_image_loaded(kind: str, dtype: torch.dtype = torch.float64, seed: int =
 
 def save_tiny_image_folder(folder: Any, kind: str, seed: int = 0) -> Any:
     """Write a tiny random image+text model and its processor as a model folder."""
+    from ctxpatch.core.loading import quiet_transformers
+
     loaded = tiny_image_loaded(kind, dtype=torch.float32, seed=seed)
-    loaded.model.save_pretrained(folder)
-    loaded.processor.save_pretrained(folder)
+    with quiet_transformers():
+        loaded.model.save_pretrained(folder)
+        loaded.processor.save_pretrained(folder)
     return folder
 
 
