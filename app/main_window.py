@@ -105,9 +105,11 @@ class MainWindow(QMainWindow):
     def __init__(self, model: str | None = None, settings: QSettings | None = None,
                  autoload: bool = True, options: dict[str, Any] | None = None,
                  persistent: bool = True) -> None:
-        """``persistent`` False: a window that leaves the user's files as they were (``ctxpatch
-        --screenshot``): it reads the settings but writes none, and neither writes, offers nor
-        removes an autosave."""
+        """``persistent`` False: a window that neither reads nor writes the user's files
+        (``ctxpatch --screenshot``): it starts as a fresh profile does, so that what it runs is
+        the command line's options over their documented defaults, never a setting left by the
+        last session; it writes no settings, and neither writes, offers nor removes an
+        autosave."""
         super().__init__()
         self.persistent = persistent
         self.setWindowTitle("ctxpatch — Context Patch Lab")
@@ -148,7 +150,10 @@ class MainWindow(QMainWindow):
         self.plots.overlay.toggled.connect(lambda _: self.files.update_overlays())
         self.state.subscribe(self._on_state)
 
-        self._restore()
+        if persistent:
+            self._restore()
+        else:
+            self._first_start()
         if model is not None:
             self.model_panel.model.setCurrentText(model)
         if options:

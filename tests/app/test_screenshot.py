@@ -71,3 +71,24 @@ def test_a_screenshot_format_qt_cannot_write_fails_before_the_run(tmp_path: Any,
     assert code == 2
     assert "Qt cannot save a picture as XYZ (name it .png)" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_screenshot_runs_the_documented_defaults_not_the_last_session(
+        qtbot: Any, settings: Any) -> None:
+    """Issue 35 #5: `ctxpatch --screenshot F --model demo` ran method stable, left by the last
+    window session, where its help says "(default direct)"."""
+    import json
+
+    from ctxpatch.app.main_window import MainWindow
+    from ctxpatch.core.spec import RunSpec
+
+    settings.setValue("panels/model", json.dumps({"method": "stable", "layers": "2:"}))
+    settings.sync()
+    kept = MainWindow(settings=settings, autoload=False)  # a window of the user's: as left
+    assert kept.model_panel.method.currentText() == "stable"
+    kept.close()
+    shot = MainWindow(settings=settings, autoload=False, persistent=False,
+                      options={"max_new_tokens": 3})
+    options = shot.model_panel.spec_options()
+    assert options["method"] == RunSpec().method == "direct" and options["layers"] == "all"
+    shot.close()
