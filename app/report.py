@@ -396,10 +396,10 @@ def write_report(run: RunRecord, path: str | Path, plot_dir: str | Path | None =
     """Write the report as HTML, or PDF when ``path`` ends in .pdf; with ``plot_dir``, also
     every plot as PNG and SVG there. Returns the files written.
 
-    Everything is made first in temporaries beside the report, then moved into place with
-    Ctrl+C and SIGTERM held: an interrupted report leaves the whole output or none of it (and
-    any previous report and plots as they were). ``inputs``: the run's files, which the plots
-    must not replace (`core.outputs.check_report`)."""
+    Everything is made first in temporaries beside the report, then moved into place; Ctrl+C
+    and SIGTERM wait until the report is whole (`core.export.signals_held`: the seconds of its
+    drawing), and a failure midway puts any previous report and plots back. ``inputs``: the
+    run's files, which the plots must not replace (`core.outputs.check_report`)."""
     from ..core.export import signals_held
     from ..core.outputs import check_report
 
@@ -408,6 +408,12 @@ def write_report(run: RunRecord, path: str | Path, plot_dir: str | Path | None =
     if not parent.is_dir():  # (the plots' folder beside it must not create it silently)
         raise UserError(f"cannot write {path}: folder {parent} does not exist")
     check_report(str(path), inputs)
+    with signals_held():  # (the drawing too: an exception cannot leave a Qt paint override)
+        return _write_report(run, path, parent, plot_dir)
+
+
+def _write_report(run: RunRecord, path: Path, parent: Path,
+                  plot_dir: str | Path | None) -> list[Path]:
     images = plot_images(run)
     thumb = thumbnail(run)
     try:
@@ -433,8 +439,7 @@ def write_report(run: RunRecord, path: str | Path, plot_dir: str | Path | None =
             if thumb is not None:
                 uris[THUMBNAIL] = _data_uri(thumb)
             body.write_text(report_html(run, uris), encoding="utf-8", newline="")
-        with signals_held():
-            _commit(staged, folder, plots, path)
+        _commit(staged, folder, plots, path)
     except OSError as exc:
         raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
     finally:

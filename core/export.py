@@ -15,6 +15,7 @@ import os
 import signal
 import stat
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -56,14 +57,24 @@ def install(tmp: str | Path, path: str | Path) -> None:
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """Ctrl+C and SIGTERM wait until the block ends (a few renames that make an output whole),
-    so that an interrupted command leaves the whole output or none of it."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    """Ctrl+C and SIGTERM wait until the block ends, so that an interrupted command leaves the
+    whole output or none of it: their handlers only note them meanwhile (never an exception
+    inside Qt's painting, where it cannot propagate), and the first one noted is sent again
+    after the block, to the handlers as they were. Off the main thread (where handlers cannot
+    be set) the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    old = {s: signal.signal(s, lambda signum, frame: noted.append(signum)) for s in held}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if noted:
+            os.kill(os.getpid(), noted[0])
 
 
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
