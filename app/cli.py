@@ -339,7 +339,7 @@ def run_verify(args: argparse.Namespace) -> int:
     recorded = (header.get("image") or {}).get("path")
     check_outputs({"--json": args.json}, run_inputs(model, args.image, recorded, args.patches),
                   text=("--json",))
-    pf = read_patches(args.patches)
+    pf = read_patches(args.patches, header)
     dtype = args.dtype or pf.header.get("dtype", "float32")
     run = spec.from_namespace(args, model=model, dtype=dtype)
     picture = recorded_image(pf, args.image)

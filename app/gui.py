@@ -2,8 +2,9 @@
 
 ``ctxpatch --screenshot FILE [compare options]`` opens the window (offscreen works), runs that
 comparison to the end, saves a PNG of the whole window and exits: 0 when the run completed,
-2 when it failed on the user's input, 1 on an internal failure. It reads the window's settings
-but leaves them, and any autosave of a session that did not close cleanly, as they were.
+2 when it failed on the user's input, 1 on an internal failure. It neither reads nor writes the
+window's settings (the options given, over their documented defaults), and leaves any autosave
+of a session that did not close cleanly as it was.
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ def run_app(args: argparse.Namespace) -> int:
     # a screenshot's window leaves the user's settings and autosaves as they were
     window = MainWindow(autoload=not screenshot, options=options, persistent=not screenshot)
     _WINDOWS.append(window)  # alive until the process ends (never destroyed mid-session)
-    if screenshot:  # the model may come from the settings: never a file it reads
+    if screenshot:  # never a file the window reads (the demo's cache folder, say)
         window.files.check_writes("--screenshot", screenshot)
         picture_format(screenshot)  # a format Qt cannot write: before the run, not after
     sys.excepthook = _excepthook

@@ -263,7 +263,7 @@ def conditioning_line(cond: dict[str, Any] | None) -> str:
         parts.append("largest patch entry without a ratio (a patched weight is all zeros, or "
                      "the patches hold a NaN)")
     if cond.get("hard_case_steps"):
-        parts.append(f"stable hard case at {cond['hard_case_layers']} layer-step(s) over "
+        parts.append(f"stable hard case at {cond.get('hard_case_layers', 0)} layer-step(s) over "
                      f"{cond['hard_case_steps']} token(s)")
     bound = cond.get("bound")
     if not isinstance(bound, int | float) or not math.isfinite(bound):

@@ -118,6 +118,7 @@ def _read_file(p: Path, path: str) -> bytes:
     hangs the caller) and checked as opened; a read error is one line."""
     not_file = (f"{path} is not a file (a pipe or a device): give a PNG, JPEG, WebP or GIF "
                 "file")
+    too_large = f"{path} is larger than {MAX_IMAGE_BYTES >> 20} MB: give a smaller picture"
     if not p.is_file():
         raise UserError(not_file)
     try:
@@ -129,8 +130,7 @@ def _read_file(p: Path, path: str) -> bytes:
         if not stat.S_ISREG(info.st_mode):
             raise UserError(not_file)
         if info.st_size > MAX_IMAGE_BYTES:
-            raise UserError(f"{path} is larger than {MAX_IMAGE_BYTES >> 20} MB: give a smaller "
-                            "picture")
+            raise UserError(too_large)
         with os.fdopen(os.dup(fd), "rb") as f:
             data = f.read(MAX_IMAGE_BYTES + 1)
     except OSError as exc:  # e.g. /proc/self/mem: a regular file that cannot be read
@@ -139,8 +139,7 @@ def _read_file(p: Path, path: str) -> bytes:
     finally:
         os.close(fd)
     if len(data) > MAX_IMAGE_BYTES:  # (grew while read)
-        raise UserError(f"{path} is larger than {MAX_IMAGE_BYTES >> 20} MB: give a smaller "
-                        "picture")
+        raise UserError(too_large)
     return data
 
 

@@ -59,9 +59,10 @@ class PatchFile:
         return sum(len(parts) for params in self.patches.values() for parts in params.values())
 
 
-def read_patches(path: str | Path) -> PatchFile:
-    """Read and check a patches file: its header first (`core.patchfile.check_header`), then its
-    tensors; any problem is a `UserError` naming the file."""
+def read_patches(path: str | Path, header: dict[str, Any] | None = None) -> PatchFile:
+    """Read and check a patches file: its header first (`core.patchfile.check_header`; or
+    ``header``, that check's result from `core.patchfile.read_header` of the same file), then
+    its tensors; any problem is a `UserError` naming the file."""
     from safetensors import SafetensorError
     from safetensors.torch import safe_open
 
@@ -69,7 +70,8 @@ def read_patches(path: str | Path) -> PatchFile:
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = dict(f.metadata() or {})
-            header = check_header(metadata, str(path))
+            if header is None:
+                header = check_header(metadata, str(path))
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise UserError(f"cannot read patches file {path}: {str(exc).splitlines()[0]}") from None
@@ -282,8 +284,7 @@ def verify_patches(
     """Compare patched-weights reduced logits with the full-context logits at every step.
 
     ``pixels``: the image's inputs (`image_pixels`) when the full ids hold image tokens.
-    ``made_with``: `check_made_with` first (off: the caller did, and said what it found;
-    `check_against` runs either way).
+    ``made_with``: `check_made_with` first (off: the caller did, and said what it found).
     """
     model, device = loaded.model, loaded.device
     image_token = getattr(model.config, "image_token_id", None)
@@ -293,8 +294,6 @@ def verify_patches(
                         f"{mention('image', metavar='FILE')}")
     if made_with:
         check_made_with(loaded, pf)
-    else:
-        check_against(model, pf)
     # scope query with absorb context: the run extended a cache of the reduced prefix and patched
     # the last token alone; with absorb all it ran the (one or two token) reduced sequence in one
     # pass, patched at its last position, which written-in weights can only do split this way too

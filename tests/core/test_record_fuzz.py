@@ -80,3 +80,4 @@ def test_a_conditioning_place_needs_its_step_and_layer() -> None:
     with pytest.raises(UserError, match="max_abs_scale_patch_at"):
         read_record(data)
     assert "within 100x" in conditioning_line({"max_entry_ratio": 1.0, "bound": None})
+    assert "hard case at 0 layer-step(s) over 2" in conditioning_line({"hard_case_steps": 2})
