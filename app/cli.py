@@ -200,6 +200,7 @@ def _load(run: Any, say: _Progress) -> Any:
 
 
 def run_compare(args: argparse.Namespace) -> int:
+    from ..core.analysis import summary_lines as analysis_lines
     from ..core.controllability import conditioning_line, outcome, summary_lines
     from ..core.export import patches_made_with, save_patches, steps_csv, write_json, write_text
     from ..core.plan import RunPlan
@@ -229,6 +230,8 @@ def run_compare(args: argparse.Namespace) -> int:
     elapsed = record["summary"]["seconds"]["wall"]
     say(summary_lines(plans, outcome(steps, plans))[-1])
     say(conditioning_line(record["summary"]["conditioning"]))
+    for line in analysis_lines(record.get("analysis")):
+        say(line)
     if args.verify:
         result = verify_run(loaded, done, lambda d, t: say("checking step", d, t))
         say(f"{'verified' if result.ok else 'verification FAILED'}: {result.matches}/"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -27,13 +28,16 @@ from .engine import (
 from .errors import Cancelled, UserError, mention
 from .forward import (
     attention_only,
+    cache_state,
     extend_cache,
     last_logits,
     logit_gaps,
     one_pass_fits,
+    restored,
     rolled_back,
     rows_logits,
 )
+from .lens import lens_step
 from .loading import LoadedModel
 from .patches import Delta, Rank1
 from .plan import RunPlan, _Norms
@@ -230,7 +234,8 @@ def iter_token_patches(
                 result = _step_result(
                     loaded, plan, step, logits, lps,
                     ids=(passes.full + history, red_ids, red_pos),
-                    position=len(passes.full) + len(history) - 1, seconds=seconds)
+                    position=len(passes.full) + len(history) - 1, seconds=seconds,
+                    lens=None if passes.lens is None else (passes.lens, passes.targets))
                 yield result
                 history.append(result.baseline_token)
                 passes.feed = [result.baseline_token]
@@ -263,6 +268,30 @@ class _Passes:
         self.ctrl_len = 0  # reduced tokens in ctrl_cache
         self.rows = 1  # batch rows of one pass, from the second token ("one pass")
         self.memo: dict[Any, Any] = {}  # what the hooks compute from the weights alone
+        self.lens = None  # the context lens (``analyze`` "lens"): `core.lens.Lens`
+        self.targets: Any = None  # the step's full-context targets (the lens reads them)
+        if "lens" in plan.spec.analyze:
+            from .lens import Lens
+
+            self.lens = Lens(loaded.model, plan.sites, plan.dtype, len(loaded.tokenizer))
+
+    def _lens_recording(self, rows: int) -> Any:
+        return nullcontext() if self.lens is None else self.lens.recording(rows)
+
+    def _lens_capturing(self) -> Any:
+        return nullcontext() if self.lens is None else self.lens.capturing()
+
+    def _replayed(self, forward: Callable[[], Any], cache: Any = None,
+                  before: Any = None) -> None:
+        """With the lens: ``forward`` (the patched pass's own call) once more, each patched
+        layer fed its input from that pass and unpatched (`core.lens.Lens.replaying`); on
+        ``cache`` as it was ``before`` the patched pass (`core.forward.cache_state`), then as
+        the patched pass left it."""
+        if self.lens is None:
+            return
+        with nullcontext() if cache is None else restored(cache, before), \
+                self.lens.replaying():
+            forward()
 
     def step(self, step: int, history: list[int]) -> tuple[Any, Any, Any, dict[str, float]]:
         """The step's (baseline, patched, control) logits, layer patches, reduced ids and
@@ -273,9 +302,11 @@ class _Passes:
         if self.rows > 1:
             return self._one_pass(history)
         t0 = time.perf_counter()
-        with recording(plan.layers, plan.sites, plan.dtype, self.should_stop) as targets:
+        with recording(plan.layers, plan.sites, plan.dtype, self.should_stop) as targets, \
+                self._lens_recording(1):
             base = last_logits(self.loaded.model, self.feed, self.loaded.device,
                                cache=self.base_cache, pixels=self.prompt.pixels)
+        self.targets = targets
         t1 = time.perf_counter()
         red_ids, red_pos = reduced_sequence(self.prompt, history, plan.spec.absorb,
                                             plan.spec.keep_bos)
@@ -301,12 +332,20 @@ class _Passes:
         """The current token as every row (absorb all): row 0 sees the full context's cache."""
         plan, rows, t0 = self.plan, self.rows, time.perf_counter()
         red_ids, red_pos = reduced_sequence(self.prompt, history, "all")
+
+        def forward() -> Any:
+            return rows_logits(self.loaded.model, red_ids[0], red_pos[0], self.loaded.device,
+                               self.base_cache, rows)
+
+        before = None if self.lens is None else cache_state(self.base_cache)
         with recording(plan.layers, plan.sites, plan.dtype, self.should_stop, rows) as targets, \
                 patching(plan.layers, plan.sites, targets,
                          replace(plan.patch, batch=rows, same_pass=True), plan.names, plan.dtype,
-                         memo=self.memo) as lps:
-            out = rows_logits(self.loaded.model, red_ids[0], red_pos[0], self.loaded.device,
-                              self.base_cache, rows)
+                         memo=self.memo) as lps, self._lens_recording(rows), \
+                self._lens_capturing():
+            out = forward()
+        self.targets = targets
+        self._replayed(forward, self.base_cache, before)
         logits = (out[0], out[-1], out[1] if plan.spec.control else None)
         # (all of the one pass counts as the baseline's time)
         seconds = {"baseline": time.perf_counter() - t0, "patched": 0.0, "control": 0.0}
@@ -319,21 +358,38 @@ class _Passes:
         hooks = (plan.layers, plan.sites, targets)
         if plan.strategy == "cached query":
             assert self.ctrl_cache is not None
+            cache = self.ctrl_cache
             if len(red_ids) - 1 > self.ctrl_len:
-                extend_cache(model, red_ids[self.ctrl_len:-1], device, self.ctrl_cache)
+                extend_cache(model, red_ids[self.ctrl_len:-1], device, cache)
                 self.ctrl_len = len(red_ids) - 1
-            with rolled_back(self.ctrl_cache), patching(
-                    *hooks, plan.patch, plan.names, plan.dtype, self.should_stop,
-                    self.memo) as lps:
-                return last_logits(model, red_ids[-1:], device, cache=self.ctrl_cache), None, lps
+
+            def forward() -> Any:
+                with rolled_back(cache):
+                    return last_logits(model, red_ids[-1:], device, cache=cache)
+
+            with patching(*hooks, plan.patch, plan.names, plan.dtype, self.should_stop,
+                          self.memo) as lps, self._lens_capturing():
+                patched = forward()
+            self._replayed(forward)
+            return patched, None, lps
         if plan.batched:  # the control as row 0, the patched sequence as row 1
+            def forward() -> Any:
+                return last_logits(model, red_ids, device, positions=red_pos, rows=2)
+
             with patching(*hooks, replace(plan.patch, batch=2), plan.names, plan.dtype,
-                          self.should_stop, self.memo) as lps:
-                ctrl, patched = last_logits(model, red_ids, device, positions=red_pos, rows=2)
+                          self.should_stop, self.memo) as lps, self._lens_capturing():
+                ctrl, patched = forward()
+            self._replayed(forward)
             return patched, ctrl, lps
+
+        def forward() -> Any:
+            return last_logits(model, red_ids, device, positions=red_pos)
+
         with patching(*hooks, plan.patch, plan.names, plan.dtype, self.should_stop,
-                      self.memo) as lps:
-            return last_logits(model, red_ids, device, positions=red_pos), None, lps
+                      self.memo) as lps, self._lens_capturing():
+            patched = forward()
+        self._replayed(forward)
+        return patched, None, lps
 
     def _control(self, red_ids: list[int], red_pos: Any) -> Any:
         """The control's logits in a pass of its own: on the reduced prefix's cache with absorb
@@ -349,9 +405,10 @@ class _Passes:
 def _step_result(loaded: LoadedModel, plan: RunPlan, step: int,
                  logits: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
                  lps: dict[int, LayerPatch], ids: tuple[list[int], list[int], Any],
-                 position: int, seconds: dict[str, float]) -> StepResult:
+                 position: int, seconds: dict[str, float], lens: Any = None) -> StepResult:
     """The step's results: everything it shows is queued on the device and crosses to the host
-    in one transfer (`_Host`), then checked for faults and put in a `StepResult`."""
+    in one transfer (`_Host`), then checked for faults and put in a `StepResult`; ``lens``:
+    the run's `core.lens.Lens` and the step's targets, read here (``analyze`` "lens")."""
     base, patched, ctrl = logits
     tok, k = loaded.tokenizer, plan.spec.top_k
     host = _Host(base.device)
@@ -363,6 +420,7 @@ def _step_result(loaded: LoadedModel, plan: RunPlan, step: int,
              for x in (patched, ctrl)]
     norm_keys = _queue_patch_norms(host, lps)
     layer_keys = {i: _queue_layer(host, lp) for i, lp in lps.items()}
+    lens_keys = None if lens is None else lens[0].read(lens[1], base_token.reshape(1), host.add)
     host.fetch()
     token = int(host.get(base_keys[0]))
     plan.norms.prefetch(name for keys in norm_keys.values() for name in keys)
@@ -388,8 +446,16 @@ def _step_result(loaded: LoadedModel, plan: RunPlan, step: int,
         patch_norms={i: norms for i, (norms, _) in pn.items()},
         layer_info={i: _layer_info(host, keys, *pn[i]) for i, keys in layer_keys.items()},
         seconds=seconds,
-        patches=_patch_arrays(lps, loaded.adapter.transposed) if plan.spec.keep_patches else None,
+        patches=_patch_arrays(lps, loaded.adapter.transposed) if _keeps_patches(plan.spec)
+        else None,
+        lens=None if lens_keys is None else lens_step(tok, host.get(lens_keys[0]), lens_keys[1],
+                                                      host.get),
     )
+
+
+def _keeps_patches(spec: RunSpec) -> bool:
+    """A step keeps its patch vectors for the patches file and verify, and for the geometry."""
+    return spec.keep_patches or "geometry" in spec.analyze
 
 
 def _check_finite(step: int, scale: float, bad_layers: list[int], linfs: list[float],

@@ -70,18 +70,39 @@ def fresh_states(cache: Any) -> None:
                                       for k, v in value.items()})
 
 
+def cache_state(cache: Any) -> list[dict[str, Any]]:
+    """A DynamicCache's state as it is now (its layers' attributes), for `restored`."""
+    return [dict(layer.__dict__) for layer in cache.layers]
+
+
+def _set_state(cache: Any, state: list[dict[str, Any]]) -> None:
+    for layer, attributes in zip(cache.layers, state, strict=True):
+        layer.__dict__.clear()
+        layer.__dict__.update(attributes)
+
+
 @contextmanager
 def rolled_back(cache: Any) -> Iterator[None]:
     """Undo whatever forwards inside the block append to a DynamicCache: its layers replace,
     not mutate, their key and value tensors, and `fresh_states` gives the states a forward
     updates in place fresh copies, so restoring each layer's attributes restores the cache."""
-    saved = [dict(layer.__dict__) for layer in cache.layers]
+    saved = cache_state(cache)
     try:
         yield
     finally:
-        for layer, state in zip(cache.layers, saved, strict=True):
-            layer.__dict__.clear()
-            layer.__dict__.update(state)
+        _set_state(cache, saved)
+
+
+@contextmanager
+def restored(cache: Any, state: list[dict[str, Any]]) -> Iterator[None]:
+    """The cache as it was in ``state`` (`cache_state`) inside the block, and as it is now
+    after it (forwards in the block are undone, as with `rolled_back`)."""
+    now = cache_state(cache)
+    _set_state(cache, state)
+    try:
+        yield
+    finally:
+        _set_state(cache, now)
 
 
 @contextmanager

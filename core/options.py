@@ -15,6 +15,8 @@ OutputControl = Literal["scale", "matrix", "bias", "experts"]
 DeviceMap = Literal["auto", "balanced", "sequential"]
 OnFault = Literal["stop", "continue"]
 ControlRow = Literal["auto", "batched", "separate"]
+#: the analyses a comparison may add to its record (../shared/ANALYSIS.md A1, A2)
+Analysis = Literal["lens", "geometry"]
 
 DTYPES: tuple[str, ...] = get_args(Dtype)
 METHODS: tuple[str, ...] = get_args(Method)
@@ -25,4 +27,5 @@ OUTPUT_CONTROLS: tuple[str, ...] = get_args(OutputControl)
 DEVICE_MAPS: tuple[str, ...] = get_args(DeviceMap)
 ON_FAULT: tuple[str, ...] = get_args(OnFault)
 CONTROL_ROWS: tuple[str, ...] = get_args(ControlRow)
+ANALYSES: tuple[str, ...] = get_args(Analysis)
 DEVICES = ("auto", "cpu", "cuda", "mps")  # (and cuda:N)

@@ -52,10 +52,12 @@ MAX_LAYERS = 1024
 # -- the writer ------------------------------------------------------------------------------
 def record_of(model: dict[str, Any], prompt: Prompt, spec: RunSpec,
               steps: Sequence[StepResult], plans: Sequence[LayerPlan] | None = None,
-              wall: float | None = None) -> dict[str, Any]:
+              wall: float | None = None, analysis: dict[str, Any] | None = None
+              ) -> dict[str, Any]:
     """The run record, the same from every front end: the options resolved (``settings``: the
     spec, with the device the model ran on), the controllability section when the plan is
-    known, and the wall time when measured. JSON-ready (NaN and infinities as null)."""
+    known, the wall time when measured, and the analyses asked for (`core.analysis`).
+    JSON-ready (NaN and infinities as null)."""
     from .controllability import record_section
 
     resolved = replace(spec, device=str(model.get("device", spec.device)))
@@ -71,6 +73,8 @@ def record_of(model: dict[str, Any], prompt: Prompt, spec: RunSpec,
         record["controllability"] = record_section(plans, steps)
     if wall is not None:
         record["summary"]["seconds"]["wall"] = wall
+    if analysis is not None:
+        record["analysis"] = analysis
     return dict(_finite(record))
 
 
@@ -279,6 +283,32 @@ def _steps_in_order(steps: list[_Step]) -> list[_Step]:
     return steps
 
 
+class _LensPart(TypedDict):  # core.lens.lens_step: one part of one layer at one step
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    promoted: list[list[Any]]  # [text, logit, id]
+    suppressed: list[list[Any]]
+    emitted: Real
+
+
+class _LensStep(TypedDict):
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    step: Int32
+    token: str
+    layers: dict[LayerKey, dict[str, _LensPart | None]]
+
+
+class _Lens(TypedDict):
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    s: list[Real]
+    steps: list[_LensStep]
+
+
+class _Analysis(TypedDict, total=False):  # core.analysis.analysis_section
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    lens: _Lens
+    geometry: dict[str, Any]
+
+
 class _Run(TypedDict):  # DESIGN.md "Run JSON"
     __pydantic_config__ = _STRICT  # type: ignore[misc]
     schema_version: Literal[1]
@@ -289,6 +319,7 @@ class _Run(TypedDict):  # DESIGN.md "Run JSON"
     summary: NotRequired[_Summary]
     controllability: NotRequired[_Controllability | None]
     verification: NotRequired[dict[str, Any] | None]
+    analysis: NotRequired[_Analysis | None]
 
 _RECORDS: dict[type, TypeAdapter[Any]] = {}  # per RunSpec class, built on first use (0.1 s)
 #: held while a schema is built (the window's worker and its GUI thread both check records)

@@ -96,6 +96,8 @@ class StepResult:
     layer_info: dict[int, LayerInfo]  # layer -> |dv|, block error, flags
     seconds: dict[str, float]  # baseline, patched, control
     patches: dict[str, np.ndarray] | None = field(default=None, repr=False)  # "{param}.u" etc.
+    #: the context lens of this step (``analyze`` "lens"; `core.lens.lens_step`), else None
+    lens: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
     def match(self) -> bool:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .analysis import analysis_section
 from .compare import iter_token_patches
 from .controllability import LayerPlan
 from .errors import UserError, mention
@@ -129,7 +130,8 @@ def run_comparison(loaded: LoadedModel, prompt: Prompt, spec: RunSpec,
         if on_step is not None:
             on_step(s)
     wall = time.perf_counter() - start
-    record = record_of(loaded.describe(), prompt, plan.spec, steps, plan.report, wall)
+    record = record_of(loaded.describe(), prompt, plan.spec, steps, plan.report, wall,
+                       analysis_section(steps, plan.spec.analyze))
     return Comparison(steps, plan.report, record, plan.spec, prompt)
 
 

@@ -22,18 +22,20 @@ import dataclasses
 import types
 import typing
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args, get_origin
 
 from .errors import UserError, mention
 from .options import (
+    ANALYSES,
     CONTROL_ROWS,
     DEVICE_MAPS,
     DTYPES,
     ON_FAULT,
     PATCH_KINDS,
     Absorb,
+    Analysis,
     ControlRow,
     DeviceMap,
     Dtype,
@@ -51,7 +53,8 @@ MAX_NEW_TOKENS = 100_000
 #: how an option appears on the command line: a value, a switch (``store_true``), a switch that
 #: turns a default-True option off (``--no-control``), a repeatable choice (``--disable input``),
 #: a list of values (``--max-memory 0=20GiB cpu=32GiB``), or nowhere (set by another option)
-CliKind = Literal["value", "switch", "negated", "append", "list", "none"]
+#: a comma-separated set of choices (``--analyze lens,geometry``, or ``all``),
+CliKind = Literal["value", "switch", "negated", "append", "list", "commas", "none"]
 GROUPS = {"model": "model and placement", "prompt": "prompt", "run": "patching and protocol"}
 
 
@@ -154,15 +157,21 @@ class RunSpec:
     on_fault: OnFault = _opt("stop", "a NaN or infinity in the logits or the patches: stop the "
                              "run there with one line, or continue and record it (default "
                              "stop)", "run", window=True, label="On a NaN")
+    analyze: frozenset[Analysis] = _opt(
+        frozenset(), "add analyses of the patches to the run: lens (what each layer's context "
+        "effect writes into the vocabulary), geometry (how the patches align across tokens and "
+        "layers, their rank); comma-separated, or all (default none: the run costs what it "
+        "did)", "run", cli="commas", metavar="A,B")
     keep_patches: bool = _opt(False, "keep every step's patch vectors (set by --save-patches "
                               "and --verify)", "run", cli="none", flag="--save-patches",
                               recorded=False)  # the API keeps them by default, the CLI not
 
     def __post_init__(self) -> None:
         # loose values as the command line and JSON give them: a list for the sets and tuples
-        if not isinstance(self.disabled, frozenset) and isinstance(self.disabled, list | tuple
-                                                                   | set):
-            object.__setattr__(self, "disabled", frozenset(self.disabled))
+        for name in _SETS:
+            value = getattr(self, name)
+            if not isinstance(value, frozenset) and isinstance(value, list | tuple | set):
+                object.__setattr__(self, name, frozenset(value))
         if isinstance(self.max_memory, list):
             object.__setattr__(self, "max_memory", tuple(self.max_memory))
 
@@ -200,7 +209,9 @@ class RunSpec:
             for f in fields(self):
                 if not f.metadata["option"].recorded:
                     del d[f.name]
-        d["disabled"] = sorted(self.disabled)
+        for name in _SETS:
+            if name in d:
+                d[name] = sorted(d[name])
         d["max_memory"] = None if self.max_memory is None else list(self.max_memory)
         return d
 
@@ -213,6 +224,10 @@ class RunSpec:
         if unknown:
             warnings.warn(f"ignoring unknown settings: {', '.join(unknown)}", stacklevel=2)
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+#: the options that are sets (a list in JSON and from Python; sorted when written)
+_SETS = ("disabled", "analyze")
 
 
 def _current() -> type[RunSpec]:
@@ -319,9 +334,9 @@ def from_options(options: dict[str, Any], base: RunSpec | None = None) -> RunSpe
     values = dict(options)
     if isinstance(values.get("max_memory"), dict):  # {"0": "20GiB"} as in accelerate
         values["max_memory"] = tuple(f"{k}={v}" for k, v in values["max_memory"].items())
-    for key in ("disabled", "max_memory"):  # a list for a set or a tuple
+    for key in (*_SETS, "max_memory"):  # a list for a set or a tuple
         if isinstance(values.get(key), list):
-            values[key] = (frozenset if key == "disabled" else tuple)(values[key])
+            values[key] = (frozenset if key in _SETS else tuple)(values[key])
     spec = dataclasses.replace(base, **values) if base is not None else cls(**values)
     spec.validate()
     return spec
@@ -434,6 +449,9 @@ def add_arguments(parser: argparse.ArgumentParser | Any, only: Iterable[str] | N
         elif o.cli == "append":
             item = _allowed(get_args(hints[f.name])[0])
             kw.update(action="append", choices=item, default=None)
+        elif o.cli == "commas":
+            kw.update(type=_commas(_allowed(get_args(hints[f.name])[0]) or ()), default=None,
+                      metavar=o.metavar)
         elif o.cli == "list":
             kw.update(nargs="+", metavar=o.metavar, default=default)
         else:
@@ -444,12 +462,31 @@ def add_arguments(parser: argparse.ArgumentParser | Any, only: Iterable[str] | N
         target.add_argument(flag(f.name), **kw)
 
 
+def _commas(choices: tuple[str, ...]) -> Callable[[str], frozenset[str]]:
+    """The parser of a comma-separated set of ``choices`` ("all": every one), for argparse."""
+
+    def parse(text: str) -> frozenset[str]:
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        if parts == ["all"]:
+            return frozenset(choices)
+        unknown = [p for p in parts if p not in choices]
+        if unknown or not parts:
+            raise argparse.ArgumentTypeError(
+                f"unknown {unknown[0]!r}: use one or more of {', '.join(choices)} "
+                "(comma-separated), or all" if unknown else
+                f"empty: use one or more of {', '.join(choices)} (comma-separated), or all")
+        return frozenset(parts)
+
+    return parse
+
+
 def from_namespace(args: argparse.Namespace, **overrides: Any) -> RunSpec:
     """The spec of parsed command-line options (the fields ``args`` has; the rest default),
     with ``overrides``, validated."""
     given = {name: getattr(args, name) for name in names() if hasattr(args, name)}
-    if given.get("disabled") is None:
-        given.pop("disabled", None)
+    for name in _SETS:  # (not given on the command line: the default)
+        if given.get(name) is None:
+            given.pop(name, None)
     return from_options({**given, **overrides})
 
 
@@ -473,6 +510,7 @@ def window_names() -> tuple[str, ...]:
     return tuple(n for n in names() if option(n).window)
 
 
-__all__ = ["CONTROL_ROWS", "DEVICE_MAPS", "DTYPES", "MAX_TOP_K", "ON_FAULT", "PATCH_KINDS",
+__all__ = ["ANALYSES", "CONTROL_ROWS", "DEVICE_MAPS", "DTYPES", "MAX_TOP_K", "ON_FAULT",
+           "PATCH_KINDS",
            "Option", "RunSpec", "add_arguments", "check_request", "flag", "from_namespace",
            "from_options", "json_types", "window_names"]

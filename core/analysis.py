@@ -1,0 +1,95 @@
+"""A run's analyses of its patches (../shared/ANALYSIS.md "Contracts"): the record's
+``analysis`` section from its steps, and the lines that summarise it.
+
+- ``analysis.lens``: ``{"s": [s_t per step], "steps": [{"step", "token", "layers": {l: {part:
+  {"promoted": [[text, logit, id], ...], "suppressed": [...], "emitted": logit} or None}}}]}``
+  (`core.lens`; a part is None where it is not defined in that layer);
+- ``analysis.geometry``: `core.geometry.patch_geometry` of the steps' patch vectors.
+
+Plain data only (no torch here): the command line, the report and the window read it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from .results import StepResult
+
+
+def analysis_section(steps: Sequence[StepResult], analyze: Sequence[str] | frozenset[str]
+                     ) -> dict[str, Any] | None:
+    """The record's ``analysis`` for the analyses asked (None when none was)."""
+    out: dict[str, Any] = {}
+    if "lens" in analyze:
+        out["lens"] = {
+            "s": [None if s.lens is None else s.lens["s"] for s in steps],
+            "steps": [{"step": s.step, "token": s.baseline_text,
+                       "layers": {} if s.lens is None else s.lens["layers"]} for s in steps],
+        }
+    if "geometry" in analyze:
+        from .geometry import patch_geometry
+
+        out["geometry"] = patch_geometry([s.patches or {} for s in steps])
+    return out or None
+
+
+def strongest_layers(step: dict[str, Any], n: int = 3) -> list[tuple[int, float, Any, Any]]:
+    """The ``n`` layers that add the most to the emitted token's logit at one lens step:
+    ``(layer, total, mixer, mlp)`` (a part None where it is not defined)."""
+    rows = []
+    for key, parts in step["layers"].items():
+        total = (parts.get("total") or {}).get("emitted")
+        if total is None:
+            continue
+        rows.append((int(key), float(total), (parts.get("mixer") or {}).get("emitted"),
+                     (parts.get("mlp") or {}).get("emitted")))
+    return sorted(rows, key=lambda r: -r[1])[:n]
+
+
+def _signed(x: Any) -> str:
+    return "n/a" if x is None else f"{x:+.3g}"
+
+
+def summary_lines(analysis: dict[str, Any] | None, steps: int = 3) -> list[str]:
+    """A few lines for the command line: per lens step (the first ``steps``), the layers that
+    write the emitted token most; the geometry's effective ranks by parameter kind."""
+    if not analysis:
+        return []
+    lines = []
+    for step in (analysis.get("lens") or {}).get("steps", [])[:steps]:
+        best = strongest_layers(step)
+        if not best:
+            lines.append(f"lens, token {step['step'] + 1} {step['token']!r}: no layer readable")
+            continue
+        where = ", ".join(f"layer {i} {_signed(t)} (mixer {_signed(a)}, MLP {_signed(b)})"
+                          for i, t, a, b in best)
+        lines.append(f"lens, token {step['step'] + 1} {step['token']!r}: written most by {where}")
+    geometry = analysis.get("geometry")
+    if geometry and geometry.get("params"):
+        kinds: dict[str, list[float]] = {}
+        for name, g in geometry["params"].items():
+            if g.get("effective_rank") is not None:
+                kinds.setdefault(_kind(name), []).append(float(g["effective_rank"]))
+        steps_n = len(next(iter(geometry["params"].values())).get("gram") or [])
+        ranks = ", ".join(f"{k} {statistics.median(v):.2g}" for k, v in sorted(kinds.items()))
+        lines.append(f"geometry: effective rank of {steps_n} steps' patches, median over "
+                     f"layers: {ranks}")
+    return lines
+
+
+def _kind(name: str) -> str:
+    """A parameter's role without its layer: ``mlp.gate_proj`` for
+    ``model.layers.3.mlp.gate_proj.weight``."""
+    parts = name.split(".")
+    for j, part in enumerate(parts):
+        if part.isdigit():
+            rest = parts[j + 1:]
+            if rest and rest[-1] == "weight":
+                rest = rest[:-1]
+            return ".".join(rest) or name
+    return name
+
+
+__all__ = ["analysis_section", "strongest_layers", "summary_lines"]
