@@ -312,6 +312,12 @@ def _check_type(name: str, value: Any, hint: Any) -> None:
     if allowed is not None and isinstance(value, str):
         raise UserError(f"unknown {name.replace('_', ' ')} {value!r}: use one of "
                         f"{', '.join(map(str, allowed))}")
+    members = _allowed(get_args(hint)[0]) if get_origin(hint) is frozenset else None
+    if members is not None and isinstance(value, frozenset):
+        unknown = sorted(map(repr, value - set(members)))
+        if unknown:
+            raise UserError(f"option {mention(name)}: unknown {', '.join(unknown)}: use one or "
+                            f"more of {', '.join(members)}")
     if isinstance(value, str) and not _encodable(value):
         raise UserError(f"{name} is not valid text (it holds bytes that are not UTF-8): "
                         "give it as UTF-8")
@@ -334,6 +340,11 @@ def from_options(options: dict[str, Any], base: RunSpec | None = None) -> RunSpe
     values = dict(options)
     if isinstance(values.get("max_memory"), dict):  # {"0": "20GiB"} as in accelerate
         values["max_memory"] = tuple(f"{k}={v}" for k, v in values["max_memory"].items())
+    if isinstance(values.get("analyze"), str):  # analyze="lens" or "lens,geometry" or "all"
+        try:
+            values["analyze"] = _commas(ANALYSES)(values["analyze"])
+        except argparse.ArgumentTypeError as exc:
+            raise UserError(f"analyze {values['analyze']!r}: {exc}") from None
     for key in (*_SETS, "max_memory"):  # a list for a set or a tuple
         if isinstance(values.get(key), list):
             values[key] = (frozenset if key in _SETS else tuple)(values[key])

@@ -107,6 +107,12 @@ class Run:
     def summary(self) -> dict[str, Any]:
         return self.record["summary"]
 
+    @property
+    def analysis(self) -> dict[str, Any] | None:
+        """The analyses asked with ``analyze=[...]`` (``"lens"``, ``"geometry"``), as the run
+        JSON's ``analysis`` holds them (../shared/ANALYSIS.md "Contracts"); None without."""
+        return self.record.get("analysis")
+
     def to_dict(self) -> dict[str, Any]:
         """The run record (DESIGN.md "Run JSON"), a copy."""
         import copy

@@ -114,3 +114,22 @@ def test_bad_options_raise_the_command_line_s_error(folder: Path, options: dict,
 def test_a_missing_model_is_an_option_error() -> None:
     with pytest.raises(ValueError, match="no such folder"):
         ctxpatch.load("./no/such/model")
+
+
+def test_the_api_s_analysis_is_the_command_line_s(folder: Path, tmp_path: Path) -> None:
+    """``analyze=[...]`` from Python and ``--analyze all`` give the same ``analysis``; a run
+    without it has none; an unknown analysis is refused in one line before any work."""
+    run = ctxpatch.compare(str(folder), **CASE, analyze=["lens", "geometry"])
+    out = tmp_path / "cli.json"
+    assert main(["compare", "--model", str(folder), "--context", CASE["context"], "--query",
+                 CASE["query"], "--max-new-tokens", "3", "--analyze", "all", "--quiet",
+                 "--json", str(out)]) == 0
+    cli = json.loads(out.read_text())
+    assert run.analysis is not None and set(run.analysis) == {"lens", "geometry"}
+    assert comparable_record(run.analysis) == comparable_record(cli["analysis"])
+    assert cli["settings"]["analyze"] == ["geometry", "lens"]
+    assert len(run.analysis["lens"]["steps"]) == 3
+    assert ctxpatch.compare(str(folder), **CASE).analysis is None
+    with pytest.raises(ctxpatch.OptionError, match="analyze") as err:
+        ctxpatch.compare(str(folder), **CASE, analyze=["lens", "bogus"])
+    assert "\n" not in str(err.value)

@@ -85,7 +85,8 @@ def test_one_validation_for_every_front_end() -> None:
                          (dict(top_k=None), "option top_k must be a whole number"),
                          (dict(on_fault="ignore"), "unknown on fault 'ignore': use one of stop"),
                          (dict(method="fast"), "unknown method 'fast'"),
-                         (dict(disabled=["both"]), "option disabled must be a list of one of"),
+                         (dict(disabled=["both"]),
+                          "option disabled: unknown 'both': use one or more"),
                          (dict(query="a\udc80b"), "query is not valid text"),
                          (dict(nonsense=1), "unknown option 'nonsense'")):
         with pytest.raises(UserError, match=message):
