@@ -38,8 +38,8 @@ def test_knockout_all_none_and_the_last_layer(absorb: str, scope: str) -> None:
         scale = float(full.abs().max())
         assert got["all"] == pytest.approx(float(full[token]), abs=1e-6 * scale)
         if scope == "all-positions":
-            assert got["none"] == pytest.approx(float(_logits(model, step.reduced_input_ids)[token]),
-                                                abs=1e-12 * scale)
+            control = _logits(model, step.reduced_input_ids)
+            assert got["none"] == pytest.approx(float(control[token]), abs=1e-12 * scale)
         assert sorted(got["layers"], key=int) == [str(i) for i in range(len(layers))]
         assert any(abs(e) > 1e-3 * scale for e in got["effect"].values())  # (the context acts)
         if absorb != "all":
@@ -47,7 +47,7 @@ def test_knockout_all_none_and_the_last_layer(absorb: str, scope: str) -> None:
         # the last layer: its input is exact, so without its patches it outputs T_0, the layer
         # run alone on the full context's input vector (absorb all: one token)
         seen: list[torch.Tensor] = []
-        h = layers[-1].register_forward_pre_hook(lambda m, a, kw: seen.append(
+        h = layers[-1].register_forward_pre_hook(lambda m, a, kw, seen=seen: seen.append(
             (a[0] if a else kw["hidden_states"])[0, -1]), with_kwargs=True)
         try:
             _logits(model, step.full_input_ids)
