@@ -17,6 +17,7 @@ from ctxpatch.core.export import save_patches
 from ctxpatch.core.images import read_image
 from ctxpatch.core.prompt import build_prompt, check_prompt
 from ctxpatch.core.verify import image_pixels, read_patches, recorded_image, verify_patches
+from lens_case import stream_spy
 from tiny import IMAGE_SIZE, tiny_image_loaded
 from tiny_images import image_steps
 
@@ -170,3 +171,17 @@ def test_the_baseline_is_plain_generation_with_the_image(loaded, picture) -> Non
                                     do_sample=False,
                                     **vision_kwargs(loaded.model, prompt.pixels, ids))
     assert out[0, ids.shape[1]:].tolist() == [s.baseline_token for s in steps]
+
+
+def test_the_lens_adds_up_with_the_picture(loaded, picture, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The context lens (ANALYSIS.md A1) with a picture in the context: the stream's parts read
+    through the frozen final norm give the run's own full-context top-k (softcap applied)."""
+    seen = stream_spy(monkeypatch)
+    _, _, steps = _steps(loaded, picture, context=CONTEXT, analyze=frozenset({"lens"}))
+    cap = getattr(loaded.model.config.get_text_config(), "final_logit_softcapping", None)
+    for step, (rebuilt, parts) in zip(steps, seen, strict=True):
+        probs = torch.softmax(torch.tanh(rebuilt / cap) * cap if cap else rebuilt, -1)
+        top = step.baseline_top_k
+        assert probs.topk(len(top.ids)).indices.tolist() == list(top.ids)
+        assert probs[list(top.ids)].tolist() == pytest.approx(list(top.probs), abs=1e-6)
+        assert all(p["total"] is not None for p in parts.values())

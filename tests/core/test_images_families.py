@@ -22,6 +22,7 @@ from ctxpatch.core.verify import (
     verify_patches,
 )
 from ctxpatch.resources import sample_image_path
+from lens_case import stream_spy
 from tiny_images import FAMILIES, image_steps, save_family_folder
 
 QUERY = "Hello world!"
@@ -193,3 +194,22 @@ def test_the_control_as_a_batch_row_equals_its_own_pass(loaded, picture) -> None
         assert b.patched.linf <= EXACT * s.logit_scale
         assert abs(b.control.linf - s.control.linf) <= 1e-9 * s.logit_scale
         assert b.control.top_k.ids == s.control.top_k.ids
+
+
+def test_the_lens_adds_up_with_the_picture(loaded, picture, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The context lens (ANALYSIS.md A1) of an image+text run: its stream's parts read through
+    the frozen final norm add up to the full-context logits (picture included): softcapped as
+    the family does, their softmax is the run's own full-context top-k, at every layer of the
+    language model."""
+    seen = stream_spy(monkeypatch)
+    _, _, steps = image_steps(loaded, picture, QUERY, 2, "", analyze=frozenset({"lens"}))
+    config = loaded.model.config.get_text_config()
+    cap = getattr(config, "final_logit_softcapping", None)
+    for step, (rebuilt, parts) in zip(steps, seen, strict=True):
+        logits = torch.tanh(rebuilt / cap) * cap if cap else rebuilt
+        probs = torch.softmax(logits, -1)
+        top = step.baseline_top_k
+        assert probs.topk(len(top.ids)).indices.tolist() == list(top.ids)
+        assert probs[list(top.ids)].tolist() == pytest.approx(list(top.probs), abs=1e-6)
+        assert all(p["total"] is not None for p in parts.values())
+        assert set(step.lens["layers"]) == {str(i) for i in parts}

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 from ctxpatch.core import lens as lens_module
-from ctxpatch.core.activations import query_row
 from ctxpatch.core.compare import RunSpec, iter_token_patches
 from ctxpatch.core.prompt import build_prompt
+from lens_case import pre_softcap, stream_spy
 from tiny import gemma3_config, llama_config, tiny_config, tiny_loaded
 
 CONTEXT = "The quick brown fox jumps over the lazy dog."
@@ -54,29 +54,13 @@ def family(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
 
 def _pre_softcap(model: torch.nn.Module, ids: tuple[int, ...]) -> torch.Tensor:
     with torch.no_grad():
-        out = model(input_ids=torch.tensor([list(ids)])).logits[0, -1].double()
-    cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
-    return torch.atanh(out / cap) * cap if cap else out
+        return pre_softcap(model, model(input_ids=torch.tensor([list(ids)])).logits[0, -1])
 
 
 def _run_with_parts(loaded, monkeypatch, **kw):  # type: ignore[no-untyped-def]
     """The run's steps and, per step, the stream rebuilt from the lens's own vectors (read as
-    logits) and each layer's parts."""
-    seen: list[tuple[torch.Tensor, dict[int, dict[str, torch.Tensor | None]]]] = []
-    read = lens_module.Lens.read
-
-    def spy(self, targets, tokens, queue):  # type: ignore[no-untyped-def]
-        s = self.readout.scale(self.final)
-        layers = sorted(self.stream.inputs)
-        r = [query_row(self.stream.inputs[i], self.dtype) for i in layers]
-        parts = self.deltas(targets)
-        x = r[0].clone()  # r^0, then each layer's own change on the stream and its context effect
-        for j, i in enumerate(layers):
-            x = x + (self.stream.block[i] - r[j]) + parts[i]["total"]
-        seen.append((self.readout.logits(x[None], s)[0] + self.readout.constant(), parts))
-        return read(self, targets, tokens, queue)
-
-    monkeypatch.setattr(lens_module.Lens, "read", spy)
+    logits) and each layer's parts (`lens_case.stream_spy`)."""
+    seen = stream_spy(monkeypatch)
     prompt = build_prompt(loaded.tokenizer, kw.pop("context", CONTEXT), QUERY)
     steps = list(iter_token_patches(loaded, prompt, RunSpec(
         max_new_tokens=kw.pop("tokens", 3), analyze=frozenset({"lens"}), **kw)))
