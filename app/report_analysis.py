@@ -128,6 +128,22 @@ def _text_ticks(axis: Any, labels: Sequence[str], length: float) -> list[tuple[f
     return [(i + 1.0, s) for i, s in enumerate(labels) if i % every == 0]
 
 
+def _style_bar(bar: Any, palette: Any, point_size: float) -> None:
+    """A colour bar's axis in the figure's text colour and size (`style_graphics` styles the
+    plots' axes only; the bar's would keep pyqtgraph's grey when made first)."""
+    from PySide6.QtGui import QFont
+
+    foreground = palette.text().color()
+    font = QFont()
+    font.setPointSizeF(point_size)
+    bar.axis.setPen(foreground)
+    bar.axis.setTextPen(foreground)
+    bar.axis.setStyle(tickFont=font)
+    label = bar.getAxis("bottom" if bar.horizontal else "left")  # (the bar's label is there)
+    label.labelStyle = {"color": foreground.name(), "font-size": f"{point_size:g}pt"}
+    label._updateLabel()  # (as `style_graphics` does: setLabel keeps an earlier colour)
+
+
 def _figure(kind: str, point_size: float) -> Any:
     """The figure ``kind`` ("lens" or "geometry"), made on first use."""
     if kind not in _FIGURES:
@@ -158,9 +174,10 @@ class _LensFigure:
         self.bar = pg.ColorBarItem(values=(-1, 1), colorMap=DIVERGING, interactive=False,
                                    label="logit added to the emitted token")
         self.bar.setImageItem(self.image, insert_in=self.plot)
+        # a label may reach past the plot's ends (the first token's, under the layer axis)
+        self.plot.getAxis("bottom").setStyle(hideOverlappingLabels=False)
         style_graphics(self.graphics, [self.plot], self.graphics.palette(), point_size)
-        self.bar.axis.setStyle(tickFont=self.plot.getAxis("left").style["tickFont"])
-        self.bar.axis.setLabel(**{"font-size": f"{point_size:g}pt"})
+        _style_bar(self.bar, self.graphics.palette(), point_size)
 
     def draw(self, lens: dict[str, Any]) -> Any:
         from PySide6.QtCore import QRectF
@@ -247,8 +264,7 @@ class _GeometryFigure:
         self.graphics.ci.layout.setColumnStretchFactor(1, 1)
         style_graphics(self.graphics, [self.ranks, self.gram], self.graphics.palette(),
                        point_size)
-        self.bar.axis.setStyle(tickFont=self.gram.getAxis("left").style["tickFont"])
-        self.bar.axis.setLabel(**{"font-size": f"{point_size:g}pt"})
+        _style_bar(self.bar, self.graphics.palette(), point_size)
 
     def draw(self, role: dict[str, Any], steps: int) -> Any:
         from PySide6.QtCore import QRectF
