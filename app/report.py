@@ -24,6 +24,7 @@ from ..core.errors import UserError
 from ..core.record import RunRecord
 from .jobs import RunStarted
 from .panels.generation_panel import COLORS, token_html
+from .report_analysis import analysis_html, analysis_images
 from .state import RunState
 
 #: the figures' size in the report, in CSS pixels (96 to the inch): the page's width between
@@ -75,7 +76,9 @@ def fill_state(state: RunState, run: RunRecord) -> RunState:
 
 def plot_images(run: RunRecord) -> dict[str, tuple[bytes, bytes]]:
     """The run's plots as {name: (PNG bytes, SVG bytes)}: the per-token metrics, then the
-    patch-norm heatmap and profile of every patched parameter ("patch-norms/<param>")."""
+    patch-norm heatmap and profile of every patched parameter ("patch-norms/<param>"), then the
+    analyses' figures when the record has them (`app.report_analysis`: "lens",
+    "geometry/<role>")."""
     from PySide6.QtCore import Qt
     from PySide6.QtWidgets import QApplication
 
@@ -106,6 +109,7 @@ def plot_images(run: RunRecord) -> dict[str, tuple[bytes, bytes]]:
         images[f"patch-norms/{key}"] = _png(patches.graphics), _svg(patches.graphics)
     for panel in (plots, patches):
         panel.hide()
+    images.update(analysis_images(run.record.get("analysis"), _png, _svg, FIGURE_PT))
     return images
 
 
@@ -346,7 +350,7 @@ def report_html(run: RunRecord, images: dict[str, str], screen: bool = True) -> 
     seconds = summary.get("seconds", {})
     titles = {"per-token": "Per-token metrics (patched vs unpatched control)"}
     titles.update({name: f"Patch norms: {name.split('/', 1)[1]}" for name in images
-                   if "/" in name})
+                   if name.startswith("patch-norms/")})
     sizes = {name: PLOT_SIZE if name == "per-token" else NORMS_SIZE for name in titles}
     plots = "".join(
         f"<div class=\"figure\"><h3>{_esc(title)}</h3><p class=\"figure\">"
@@ -383,7 +387,7 @@ Time: {_esc(', '.join(f'{k} {_fmt(v)} s' for k, v in seconds.items()))}.</p>
 parameter, the norm of its patch per layer and token (log10) and the last token's per-layer
 profile.</p>
 {plots}
-</body></html>
+{analysis_html(run.record.get("analysis"), images)}</body></html>
 """
 
 
