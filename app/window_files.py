@@ -105,11 +105,14 @@ class WindowFiles:
             return None
         if started.record is not None:
             return started.record  # a run reopened from a session
+        from ..core.analysis import analysis_section
         from ..core.record import record_of
         from ..core.spec import RunSpec
 
-        return record_of(started.model, started.prompt, RunSpec.from_dict(started.settings),
-                         self._state.steps, started.plan or None, self._state.wall)
+        spec = RunSpec.from_dict(started.settings)
+        return record_of(started.model, started.prompt, spec, self._state.steps,
+                         started.plan or None, self._state.wall,
+                         analysis_section(self._state.steps, spec.analyze))
 
     def export(self, kind: str, path: str | None = None) -> bool:
         """Write the current run as JSON, CSV or a report (HTML, or PDF by the file's suffix);
