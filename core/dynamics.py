@@ -43,6 +43,9 @@ OPTIONS = ("model", "dtype", "device", "trust_remote_code", "allow_pickle", "dev
            "layers", "output_control")
 #: the record's format
 SCHEMA = "ctxpatch-dynamics/1"
+#: the summary calls the increments shrinking when the last third's mean is below this share of
+#: the first third's (growing above its inverse; about flat between)
+SHRINKING = 0.8
 
 if TYPE_CHECKING:  # (NumPy is imported where it computes: the command line starts without it)
     import numpy as np
@@ -344,10 +347,11 @@ def summary_lines(d: Dynamics, top: int = 5) -> list[str]:
         lines.append(f"  token {i + 1:>3} {d.context_tokens[i]!r:<16} share {share[i]:6.1%}  "
                      f"lens logit {shown}")
     first, last = trend(d.increment.sum(0))
-    verdict = "shrinking" if last < first else "not shrinking"
-    ratio = f"{last / first:.2g}x" if first > 0 else "n/a"
+    ratio = last / first if first > 0 else math.nan
+    verdict = ("shrinking" if ratio < SHRINKING else "growing" if ratio > 1 / SHRINKING
+               else "about flat")
     lines.append(f"increments (summed over layers): first third mean {first:.3g}, last third "
-                 f"mean {last:.3g} ({ratio}): {verdict}")
+                 f"mean {last:.3g} ({ratio:.2g}x): {verdict}")
     return lines
 
 
