@@ -38,6 +38,11 @@ EXAMPLES_REPRODUCE = """examples:
   ctxpatch reproduce                       # the demo model, into ./ctxpatch-reproduction
   ctxpatch reproduce --model smollm2 --out smol --prompts 2 --sweep 0,15,29
 """
+EXAMPLES_DYNAMICS = """examples:
+  ctxpatch dynamics --context "Zorblat is a small village in the mountains. It is famous for \\
+      its purple cheese." --query "Zorblat is famous for its" --json zorblat.json
+  ctxpatch dynamics --context "France: Paris. Japan: Tokyo. Italy: Rome." --query "Kenya:"
+"""
 EXAMPLES_VERIFY = """examples:
   ctxpatch verify p.safetensors
   ctxpatch verify p.safetensors --model ./my-model --dtype float64
@@ -131,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.families_in_help = True
     _compare_options(compare)
+    _dynamics_parser(sub)
     verify = sub.add_parser(
         "verify", help="write saved patches into a copy of the weights and compare logits",
         epilog=EXAMPLES_VERIFY, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -176,6 +182,45 @@ def build_parser() -> argparse.ArgumentParser:
                        help="first patched layers to sweep, e.g. '0,4,9' (default: five "
                             "spread over the model)")
     return parser
+
+
+def _dynamics_parser(sub: Any) -> None:
+    from ..core.dynamics import OPTIONS
+
+    p = sub.add_parser(
+        "dynamics", help="how the patches grow as the context is read, token by token",
+        description="For each prefix of the context's tokens, one comparison step with the "
+                    "query fixed: per layer the patch's norm and its increment, each context "
+                    "token's share of the increments and its increment's context-lens logit "
+                    "for the answer (ANALYSIS.md A5).",
+        epilog=EXAMPLES_DYNAMICS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    spec.add_arguments(p, OPTIONS)
+    out = p.add_argument_group("outputs")
+    out.add_argument("--json", metavar="FILE", help="the dynamics as JSON ('-' for stdout)")
+    out.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def run_dynamics(args: argparse.Namespace) -> int:
+    from ..core.dynamics import dynamics, summary_lines
+    from ..core.export import json_text, write_json
+    from ..core.runs import prepare
+
+    say = _Progress(args.quiet)
+    run = spec.from_namespace(args)
+    prepare(run)
+    check_outputs({"--json": args.json}, _inputs(args), text=("--json",))
+    loaded = _load(run, say)
+    result = dynamics(loaded, run, lambda done, total: say("context prefix", done, total))
+    if args.json == STDOUT:
+        sys.stdout.write(json_text(result.to_dict()))
+    elif args.json:
+        write_json(args.json, result.to_dict())
+    for line in summary_lines(result):  # (on stderr when stdout carries the JSON)
+        if args.json == STDOUT:
+            say(line)
+        else:
+            print(line)
+    return 0
 
 
 class _Progress:
@@ -387,6 +432,8 @@ def _command(args: argparse.Namespace) -> int:
         return run_compare(args)
     if args.command == "verify":
         return run_verify(args)
+    if args.command == "dynamics":
+        return run_dynamics(args)
     if args.command == "bench":
         return run_bench(args)
     from .reproduce import run as run_reproduce

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
@@ -210,6 +210,7 @@ def iter_token_patches(
     spec: RunSpec,
     should_stop: Callable[[], bool] | None = None,
     plan: RunPlan | None = None,
+    lens_tokens: Sequence[int] = (),
 ) -> Iterator[StepResult]:
     """Run the protocol (Algorithm 1, token by token), yielding one `StepResult` per generated
     token: each step's forwards run as the plan's strategy says (`_Passes`); the history grows
@@ -221,9 +222,13 @@ def iter_token_patches(
         spec: the run's options.
         should_stop: checked between layers and tokens; the generator then ends quietly.
         plan: the run's plan when the caller made it (`RunPlan.build`), else made here.
+        lens_tokens: with the lens, tokens whose logits it also reads at every step (after the
+            emitted one: ``lens["layers"][l][part]["tokens"][1:]``).
     """
     plan = RunPlan.build(loaded, prompt, spec) if plan is None else plan
     passes = _Passes(loaded, prompt, plan, should_stop)
+    if passes.lens is not None:
+        passes.lens.extra_tokens = tuple(int(t) for t in lens_tokens)
     history: list[int] = []
     try:
         with torch.inference_mode():

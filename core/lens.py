@@ -292,6 +292,9 @@ class Lens:
         self.final: Tensor | None = None  # the full-context final residual at the query
         self.stream = _Stream()
         self.splits: dict[int, bool] = {}  # layer -> its output is v + branch (`_adds_up`)
+        #: tokens read after the emitted one (`lens_step`'s ``tokens``; `core.dynamics` asks
+        #: for the answer token at every context prefix)
+        self.extra_tokens: tuple[int, ...] = ()
 
     @contextmanager
     def recording(self, rows: int = 1) -> Iterator[None]:
@@ -404,7 +407,7 @@ class Lens:
              ) -> tuple[Any, list[tuple[int, str, Any]]]:
         """Queue every layer's readout on ``queue`` (`core.compare._Host.add`): returns the key
         of ``s_t`` and ``(layer, part, keys)`` for each defined part (keys of the promoted and
-        suppressed values and ids and of the ``tokens``' logits)."""
+        suppressed values and ids and of the logits of ``tokens``, then of `extra_tokens`)."""
         if self.final is None:
             raise RuntimeError("the lens read before its full-context pass")
         s = self.readout.scale(self.final)
@@ -413,6 +416,9 @@ class Lens:
         undefined = [(i, p, None) for i, ps in parts.items() for p, x in ps.items() if x is None]
         if not rows:
             return queue(s), undefined
+        if self.extra_tokens:
+            first = torch.as_tensor(tokens).reshape(-1)
+            tokens = torch.cat([first, first.new_tensor(self.extra_tokens)])
         got = self.readout.read(torch.stack([x for _, _, x in rows]), s, self.k, tokens)
         keyed = [(i, p, {name: queue(v[j]) for name, v in got.items()})
                  for j, (i, p, _) in enumerate(rows)]

@@ -39,7 +39,7 @@ from ctxpatch.core import __version__  # noqa: E402
 from ctxpatch.core.errors import Cancelled, UserError  # noqa: E402
 
 __all__ = ["Cancelled", "OptionError", "Run", "UserError", "VerifyResult", "__version__",
-           "compare", "load", "verify"]
+           "compare", "dynamics", "load", "verify"]
 
 
 class OptionError(UserError, ValueError):
@@ -235,6 +235,53 @@ def compare(model: Any = "demo", *, context: str = "", query: str = "", image: s
     made_with = (patches_made_with(loaded, done.prompt.image is not None)
                  if spec.keep_patches else None)  # (the weights' fingerprint, for save_patches)
     return Run(done.steps, done.record, done.spec, done.prompt.image, made_with)
+
+
+def dynamics(context: str, query: str, model: Any = "demo", *,
+             progress: Callable[[int, int], None] | None = None, cancel: Any = None,
+             keep_patches: bool = True, **options: Any) -> Any:
+    """Context dynamics (how the patches grow as the context is read), as ``ctxpatch
+    dynamics`` computes them; returns a `ctxpatch.core.dynamics.Dynamics` (``to_dict()`` is the
+    ``--json`` record; ``norm``, ``increment``, ``lens``, ``attribution``, ``lens_logit``, ...
+    are arrays).
+
+    Args:
+        context, query: the prompt; the context is read token by token, the query fixed.
+        model: a model from `load`, or anything ``--model`` accepts (loaded here).
+        progress: called with (prefixes done, context tokens) after each prefix.
+        cancel: a ``threading.Event`` (or a function) that stops the run when set
+            (`Cancelled` is raised).
+        keep_patches: keep every prefix's patches on the result (``.patches``).
+        **options: the command's options by their `ctxpatch.core.spec.RunSpec` names
+            (``dtype``, ``device``, ``chat_template``, ``method``, ``layers``,
+            ``output_control``, ...: `ctxpatch.core.dynamics.OPTIONS`).
+    """
+    from .core.dynamics import OPTIONS
+    from .core.dynamics import dynamics as run_dynamics
+    from .core.loading import LoadedModel
+    from .core.runs import load as load_spec
+    from .core.runs import prepare
+
+    for key in options:
+        if key not in OPTIONS:
+            raise OptionError(f"unknown option {key!r} for dynamics: use one of "
+                              f"{', '.join(sorted(set(OPTIONS) - {'context', 'query', 'model'}))}")
+    loaded = model if isinstance(model, LoadedModel) else None
+    if loaded is not None:
+        options.setdefault("dtype", str(loaded.dtype).removeprefix("torch."))
+    spec = _spec({**options, "model": loaded.spec if loaded is not None else model,
+                  "context": context, "query": query})
+    stop = _stop_fn(cancel)
+    try:
+        prepare(spec)
+        if loaded is None:
+            loaded = load_spec(spec, should_stop=stop)
+        elif str(loaded.dtype).removeprefix("torch.") != spec.dtype:
+            raise UserError(f"this model is loaded in {loaded.dtype}, not {spec.dtype}: load "
+                            "it again with that dtype")
+        return run_dynamics(loaded, spec, progress, stop, keep_patches)
+    except UserError as exc:
+        raise OptionError(str(exc)) from None
 
 
 @dataclass(frozen=True)
