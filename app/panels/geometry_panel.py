@@ -86,7 +86,7 @@ class QtGeometryPanel(QWidget):
                             (self.layers_plot, self.layer_image)):
             plot.addItem(image)
             plot.invertY(True)  # row 0 on top, as a matrix reads
-            plot.setAspectLocked(True)
+            plot.setMenuEnabled(False)
             image.setColorMap(cmap)
             image.setLevels((-1.0, 1.0))
         self.tokens_plot.setLabel("bottom", "token")
@@ -219,7 +219,7 @@ class QtGeometryPanel(QWidget):
         self.token_image.setRect(QRectF(0.5, 0.5, n, n))
         for axis in ("bottom", "left"):
             self.tokens_plot.getAxis(axis).setRange(0.5, n + 0.5)
-        self.tokens_plot.setRange(xRange=(0.5, n + 0.5), yRange=(0.5, n + 0.5), padding=0)
+        self._frame(self.tokens_plot, 0.5, n + 0.5)
         self.tokens_plot.setTitle(f"token × token cosine, layer {entry.get('layer')}")
         sigma = np.array([np.nan if s is None else float(s)
                           for s in entry.get("singular_values") or []])
@@ -250,11 +250,16 @@ class QtGeometryPanel(QWidget):
                  if i % max(1, -(-len(layers) // 10)) == 0]
         for axis in ("bottom", "left"):
             self.layers_plot.getAxis(axis).setTicks([ticks])
-        self.layers_plot.setRange(xRange=(-0.5, len(layers) - 0.5),
-                                  yRange=(-0.5, len(layers) - 0.5), padding=0)
+        self._frame(self.layers_plot, -0.5, len(layers) - 0.5)
         t = self.step.value()
         token = self.tokens[t - 1] if t - 1 < len(self.tokens) else ""
         self.layers_plot.setTitle(f"layer × layer cosine at token {t} {token!r}")
+
+    @staticmethod
+    def _frame(plot: pg.PlotItem, lo: float, hi: float) -> None:
+        """The cells edge to edge; zoom and pan stay inside them."""
+        plot.vb.setLimits(xMin=lo, xMax=hi, yMin=lo, yMax=hi)
+        plot.setRange(xRange=(lo, hi), yRange=(lo, hi), padding=0)
 
     def hover_text(self, plot: str, i: int, j: int) -> str:
         """The cell (row ``i``, column ``j``, from 0) of ``plot`` ("tokens" or "layers") in

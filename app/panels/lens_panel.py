@@ -21,13 +21,24 @@ from typing import Any
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QEvent, QRectF, QSize, Qt
-from PySide6.QtGui import QBrush, QColor, QFontMetrics, QLinearGradient, QPainter, QPaintEvent
+from PySide6.QtCore import QEvent, QModelIndex, QPersistentModelIndex, QRectF, QSize, Qt
+from PySide6.QtGui import (
+    QBrush,
+    QColor,
+    QFontMetrics,
+    QLinearGradient,
+    QPainter,
+    QPaintEvent,
+    QPen,
+)
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QHeaderView,
     QLabel,
     QSplitter,
+    QStyle,
+    QStyledItemDelegate,
+    QStyleOptionViewItem,
     QTableWidget,
     QTableWidgetItem,
     QTextBrowser,
@@ -112,10 +123,28 @@ def _part_html(p: dict[str, Any] | None, part: str) -> str:
         return "".join(f"<tr><td>{html.escape(visible(str(t)))}</td>"
                        f"<td align='right'>{_number(v)}</td></tr>" for t, v, *_ in items)
 
-    return (f"<td valign='top'><b>{name}</b>: emitted {_number(p.get('emitted'))}"
+    return (f"<td valign='top'><b>{name}</b><br>emitted {_number(p.get('emitted'))}"
             f"<table cellspacing='0' cellpadding='1'><tr><td colspan='2'><u>promoted</u></td>"
             f"</tr>{rows(p.get('promoted', []))}<tr><td colspan='2'><u>suppressed</u></td></tr>"
             f"{rows(p.get('suppressed', []))}</table></td>")
+
+
+class _PinnedFrame(QStyledItemDelegate):
+    """Cells keep their colour when selected (a highlight would hide it, and the highlight's
+    blue reads as a negative logit); the pinned cell gets a frame instead."""
+
+    def paint(self, painter: QPainter, option: QStyleOptionViewItem,
+              index: QModelIndex | QPersistentModelIndex) -> None:
+        selected = bool(option.state & QStyle.StateFlag.State_Selected)
+        plain = QStyleOptionViewItem(option)
+        plain.state &= ~QStyle.StateFlag.State_Selected
+        plain.state &= ~QStyle.StateFlag.State_HasFocus
+        super().paint(painter, plain, index)
+        if selected:
+            painter.save()
+            painter.setPen(QPen(option.palette.text().color(), 2))
+            painter.drawRect(option.rect.adjusted(1, 1, -1, -1))
+            painter.restore()
 
 
 class QtColorScale(QWidget):
@@ -180,10 +209,12 @@ class QtLensPanel(QWidget):
         self.grid.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.grid.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         self.grid.setMouseTracking(True)
+        self.grid.setItemDelegate(_PinnedFrame(self.grid))
         self.grid.setWordWrap(False)
         self.grid.setToolTip("")
         self.grid.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Interactive)
-        self.grid.horizontalHeader().setDefaultSectionSize(78)
+        self.grid.horizontalHeader().setDefaultSectionSize(
+            self.fontMetrics().horizontalAdvance("sauerkraut") + 8)
         self.grid.verticalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Fixed)
         self.grid.verticalHeader().setDefaultSectionSize(self.fontMetrics().height() + 6)
         self.scale = QtColorScale()
@@ -223,6 +254,7 @@ class QtLensPanel(QWidget):
         self.splitter.addWidget(right)
         self.splitter.setStretchFactor(0, 3)
         self.splitter.setStretchFactor(1, 2)
+        self.splitter.setSizes([600, 400])
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addWidget(self.message)
@@ -297,7 +329,7 @@ class QtLensPanel(QWidget):
             colour = QColor(170, 170, 170)
         item.setBackground(colour)
         item.setForeground(QColor("white") if colour.lightness() < 110 else QColor("black"))
-        item.setToolTip(f"<pre>{html.escape(self.cell_text(step, layer))}</pre>")
+        item.setToolTip(self.cell_html(step, layer))
         return item
 
     # -- reading ------------------------------------------------------------------------------
@@ -310,6 +342,16 @@ class QtLensPanel(QWidget):
         head = f"layer {layer} · token {step + 1} {token!r}"
         return "\n".join([head, *(part_text(part_of(self.lens, step, layer, p), p)
                                   for p in PART_NAMES)])
+
+    def cell_html(self, step: int, layer: int, pinned: bool = False) -> str:
+        """`cell_text` as a table: one column per part (the tooltip and the pinned view)."""
+        if self.lens is None or not 0 <= step < len(self.lens["steps"]):
+            return ""
+        token = visible(self.lens["steps"][step]["token"])
+        cells = "".join(_part_html(part_of(self.lens, step, layer, p), p) for p in PART_NAMES)
+        return (f"<b>layer {layer} · token {step + 1} {html.escape(repr(token))}</b>"
+                f"{' (pinned)' if pinned else ''}"
+                f"<table cellspacing='6'><tr>{cells}</tr></table>")
 
     def cell(self, step: int, row: int) -> QTableWidgetItem | None:
         return self.grid.item(row, step)
@@ -328,12 +370,7 @@ class QtLensPanel(QWidget):
     def _on_current(self, row: int, col: int, *_: int) -> None:
         if self.lens is None or not (0 <= row < len(self.layers) and col >= 0):
             return
-        layer = self.layers[row]
-        token = visible(self.lens["steps"][col]["token"])
-        cells = "".join(_part_html(part_of(self.lens, col, layer, p), p) for p in PART_NAMES)
-        self.details.setHtml(
-            f"<b>layer {layer} · token {col + 1} {html.escape(repr(token))}</b> (pinned)"
-            f"<table cellspacing='6'><tr>{cells}</tr></table>")
+        self.details.setHtml(self.cell_html(col, self.layers[row], pinned=True))
         self._set_bars(col)
 
     def _set_bars(self, step: int | None) -> None:

@@ -160,11 +160,11 @@ class QtModelPanel(QGroupBox):
         form.addRow("Layers", self.layers)
         form.addRow("Output control", self.output_control)
         form.addRow("Patches", self.patches)
-        form.addRow("", self.on_fault)
-        analyses = QHBoxLayout()
+        analyses = QHBoxLayout()  # (one row with the NaN switch: the left column is full)
         for box in self.analyses.values():
             analyses.addWidget(box)
         analyses.addStretch(1)
+        analyses.addWidget(self.on_fault)
         form.addRow("Analyses", analyses)
         two_lines = 2 * self.fontMetrics().lineSpacing() + 8
         for label in (self.footprint, self.loaded_label):  # wrapped text is not clipped

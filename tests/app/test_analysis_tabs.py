@@ -6,6 +6,7 @@ reach the RunSpec the window runs, survive a settings round trip and a session).
 from __future__ import annotations
 
 import copy
+import html
 import json
 import logging
 from pathlib import Path
@@ -105,8 +106,13 @@ def test_a_cells_hover_text_carries_the_top_10_and_the_emitted_logit(
         assert len(p["promoted"]) == len(p["suppressed"]) == 10
         for token, logit, _ in p["promoted"] + p["suppressed"]:
             assert f"{visible(token)} {logit:+.3g}" in text
-    # the cell's own tooltip is that text, and hovering writes the cell's line
-    assert lens.cell(1, 1).toolTip().startswith("<pre>layer ")
+    # the cell's own tooltip holds the same, as a table; hovering writes the cell's line
+    tip = lens.cell(1, 1).toolTip()
+    assert tip.startswith(f"<b>layer {layer} · token 2 ")
+    for part in parts.values():
+        assert f"<br>emitted {part['emitted']:+.3g}" in tip
+        for token, logit, _ in part["promoted"] + part["suppressed"]:
+            assert f"<td>{html.escape(visible(token))}</td><td align='right'>{logit:+.3g}" in tip
     lens.grid.cellEntered.emit(1, 1)
     assert lens.readout.text().startswith(f"layer {layer} · token 2 ")
     assert f"emitted {parts['total']['emitted']:+.3g}" in lens.readout.text()
