@@ -223,8 +223,10 @@ class QtGeometryPanel(QWidget):
         self.tokens_plot.setTitle(f"token × token cosine, layer {entry.get('layer')}")
         sigma = np.array([np.nan if s is None else float(s)
                           for s in entry.get("singular_values") or []])
-        self.sigma_curve.setData(np.arange(1, len(sigma) + 1), sigma)
-        self.sigma_plot.setTitle("singular values of the stack")
+        keep = np.isfinite(sigma)  # (none where a patch is NaN or infinite)
+        self.sigma_curve.setData(np.arange(1, len(sigma) + 1)[keep], sigma[keep])
+        self.sigma_plot.setTitle("singular values of the stack" if keep.any() else
+                                 "singular values: n/a (a NaN or infinite patch)")
         eff, summed = entry.get("effective_rank"), entry.get("summed_rank")
         energy = entry.get("energy") or []
         first = (f"; rank 1 holds {100 * energy[0]:.0f}% of the energy"
