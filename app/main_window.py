@@ -32,8 +32,10 @@ from PySide6.QtWidgets import (
 from .jobs import ModelReady, RunStarted, Task, load_job, run_job
 from .panels.control_panel import QtControlPanel
 from .panels.generation_panel import QtGenerationPanel, plural
+from .panels.geometry_panel import QtGeometryPanel
 from .panels.history_panel import QtHistoryPanel
 from .panels.input_panel import QtInputPanel
+from .panels.lens_panel import QtLensPanel
 from .panels.model_panel import QtModelPanel
 from .panels.patch_panel import QtPatchPanel
 from .panels.plots_panel import QtPlotsPanel
@@ -128,6 +130,8 @@ class MainWindow(QMainWindow):
         self.plots = QtPlotsPanel(self.state)
         self.patches = QtPatchPanel(self.state)
         self.controls = QtControlPanel(self.state)
+        self.lens = QtLensPanel()  # (both filled from the finished run's record: `_on_state`)
+        self.geometry = QtGeometryPanel()
         self.banner = Banner()
         self.notice = Banner(action="Restore", colour="#1565c0")
         self.history_panel = QtHistoryPanel()
@@ -176,6 +180,8 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.plots, "Per-token plots")
         self.tabs.addTab(self.patches, "Patch explorer")
         self.tabs.addTab(self.controls, "Controllability")
+        self.tabs.addTab(self.lens, "Context lens")
+        self.tabs.addTab(self.geometry, "Geometry")
         right = QSplitter(Qt.Orientation.Vertical)
         top = QWidget()
         tv = QVBoxLayout(top)
@@ -246,6 +252,8 @@ class MainWindow(QMainWindow):
         self._action(view, "Per-token &plots", "Ctrl+1", lambda: self.tabs.setCurrentIndex(0))
         self._action(view, "Patch &explorer", "Ctrl+2", lambda: self.tabs.setCurrentIndex(1))
         self._action(view, "&Controllability", "Ctrl+3", lambda: self.tabs.setCurrentIndex(2))
+        self._action(view, "Context &lens", "Ctrl+4", lambda: self.tabs.setCurrentIndex(3))
+        self._action(view, "&Geometry", "Ctrl+5", lambda: self.tabs.setCurrentIndex(4))
         help_menu = bar.addMenu("&Help")
         self._action(help_menu, "&About ctxpatch", "F1", self.show_about)
 
@@ -398,11 +406,28 @@ class MainWindow(QMainWindow):
 
     # -- selection, presets, export -------------------------------------------------------------
     def _on_state(self, event: str) -> None:
+        if event in ("reset", "finished"):
+            self._fill_analyses()
         if event == "step" and self.state.started is not None:
             n = len(self.state.steps)
             self.progress.setRange(0, self.state.max_tokens)
             self.progress.setValue(n)
             self.status_label.setText(f"Running: token {n}/{self.state.max_tokens}")
+
+    def _fill_analyses(self) -> None:
+        """The analysis tabs from the shown run's record once it has ended (a run reopened
+        from the list or a session arrives as one "reset" of a finished state); emptied while
+        a run goes."""
+        if self.state.running:
+            asked = set((self.state.started.settings or {}).get("analyze") or ())
+            waiting = "The {} appears here when the run ends."
+            self.lens.clear(waiting.format("context lens") if "lens" in asked else None)
+            self.geometry.clear(waiting.format("patch geometry") if "geometry" in asked
+                                else None)
+            return
+        record = self.files.current_record()
+        self.lens.set_record(record)
+        self.geometry.set_record(record)
 
     def _step_selection(self, delta: int) -> None:
         if not self.state.steps:

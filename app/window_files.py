@@ -96,6 +96,8 @@ class WindowFiles:
         self.history: list[dict[str, Any]] = []  # finished runs' records, oldest first
         self.history_index: int | None = None  # the one shown
         self._pending_session: SessionReady | None = None  # applied when its job has ended
+        #: the shown run's analyses: (its RunStarted, its steps, the section), see `_analysis`
+        self._analysis_cache: tuple[Any, int, dict[str, Any] | None] | None = None
 
     # -- exports --------------------------------------------------------------------------------
     def current_record(self) -> dict[str, Any] | None:
@@ -105,14 +107,26 @@ class WindowFiles:
             return None
         if started.record is not None:
             return started.record  # a run reopened from a session
-        from ..core.analysis import analysis_section
         from ..core.record import record_of
         from ..core.spec import RunSpec
 
         spec = RunSpec.from_dict(started.settings)
         return record_of(started.model, started.prompt, spec, self._state.steps,
-                         started.plan or None, self._state.wall,
-                         analysis_section(self._state.steps, spec.analyze))
+                         started.plan or None, self._state.wall, self._analysis(spec))
+
+    def _analysis(self, spec: Any) -> dict[str, Any] | None:
+        """The shown run's analyses (`core.analysis.analysis_section`), computed once per run
+        and length: exports, the run list and the analysis tabs all ask for the record."""
+        if not spec.analyze:
+            return None
+        started, n = self._state.started, len(self._state.steps)
+        cache = self._analysis_cache
+        if cache is None or cache[0] is not started or cache[1] != n:
+            from ..core.analysis import analysis_section
+
+            cache = self._analysis_cache = (started, n,
+                                            analysis_section(self._state.steps, spec.analyze))
+        return cache[2]
 
     def export(self, kind: str, path: str | None = None) -> bool:
         """Write the current run as JSON, CSV or a report (HTML, or PDF by the file's suffix);

@@ -35,6 +35,13 @@ TIPS = {
     "layers": "Which layers are patched: all, a start like 10:, a range 2:8 or a list 0,5,17. "
               "The first patched layer absorbs all upstream mismatch.",
 }
+#: the analyses the window offers (`RunSpec.analyze`), each a checkbox: name -> label, tip
+ANALYSES = {
+    "lens": ("Lens", "The context lens: what each layer's context effect writes into the "
+             "vocabulary (the Context lens tab; one more reduced pass per token)"),
+    "geometry": ("Geometry", "Patch geometry: how the patches align across tokens and layers, "
+                 "and their rank (the Geometry tab; keeps every token's patch vectors)"),
+}
 
 
 #: the most models the recent list keeps
@@ -124,6 +131,10 @@ class QtModelPanel(QGroupBox):
                                 "(default: the paper's choice for the family)")
         for name in ("method", "absorb", "scope", "layers"):
             getattr(self, name).setToolTip(TIPS[name])
+        self.analyses: dict[str, QCheckBox] = {}
+        for name, (label, tip) in ANALYSES.items():
+            box = self.analyses[name] = QCheckBox(label)
+            box.setToolTip(tip)
         form = QFormLayout(self)
         form.addRow(row)
         where = QHBoxLayout()
@@ -149,7 +160,12 @@ class QtModelPanel(QGroupBox):
         form.addRow("Layers", self.layers)
         form.addRow("Output control", self.output_control)
         form.addRow("Patches", self.patches)
-        form.addRow("", self.on_fault)
+        analyses = QHBoxLayout()  # (one row with the NaN switch: the left column is full)
+        for box in self.analyses.values():
+            analyses.addWidget(box)
+        analyses.addStretch(1)
+        analyses.addWidget(self.on_fault)
+        form.addRow("Analyses", analyses)
         two_lines = 2 * self.fontMetrics().lineSpacing() + 8
         for label in (self.footprint, self.loaded_label):  # wrapped text is not clipped
             label.setMinimumHeight(two_lines)
@@ -227,6 +243,7 @@ class QtModelPanel(QGroupBox):
             "output_control": None if control == "default" else control,
             "disabled": DISABLED[self.patches.currentText()],
             "on_fault": "continue" if self.on_fault.isChecked() else "stop",
+            "analyze": [name for name, box in self.analyses.items() if box.isChecked()],
         }
 
     def spec_options(self) -> dict[str, Any]:
@@ -268,6 +285,10 @@ class QtModelPanel(QGroupBox):
                 self.patches.setCurrentText(text)
         if data.get("layers"):
             self.layers.setText(str(data["layers"]))
+        if "analyze" in data:  # (checked by `checked` as the run checks it)
+            chosen = set(data["analyze"])
+            for name, box in self.analyses.items():
+                box.setChecked(name in chosen)
         if data.get("on_fault") in ON_FAULT:
             self.on_fault.setChecked(data["on_fault"] == "continue")
         if data.get("device_map") in PLACEMENTS:
