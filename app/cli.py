@@ -43,6 +43,11 @@ EXAMPLES_DYNAMICS = """examples:
       its purple cheese." --query "Zorblat is famous for its" --json zorblat.json
   ctxpatch dynamics --context "France: Paris. Japan: Tokyo. Italy: Rome." --query "Kenya:"
 """
+EXAMPLES_COMPILE = """examples:
+  ctxpatch compile --context "Alice moved to Lisbon in 2019 and works there as a marine \\
+      biologist." --query "Where does Alice live?" --query "When did Alice move?" \\
+      --held-out "What city is Alice in?" --rank 8 --adapter alice-lora --json alice.json
+"""
 EXAMPLES_VERIFY = """examples:
   ctxpatch verify p.safetensors
   ctxpatch verify p.safetensors --model ./my-model --dtype float64
@@ -181,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     repro.add_argument("--sweep", default=None,
                        help="first patched layers to sweep, e.g. '0,4,9' (default: five "
                             "spread over the model)")
+    _compile_parser(sub)
     return parser
 
 
@@ -220,6 +226,70 @@ def run_dynamics(args: argparse.Namespace) -> int:
             say(line)
         else:
             print(line)
+    return 0
+
+
+def _compile_parser(sub: Any) -> None:
+    """``ctxpatch compile``: one weight delta per layer for a whole context, as a LoRA."""
+    p = sub.add_parser(
+        "compile", help="compile a context into one weight delta per layer (a PEFT LoRA "
+        "adapter) and evaluate it on training and held-out queries without the context",
+        epilog=EXAMPLES_COMPILE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.families_in_help = True
+    spec.add_arguments(p, (*MODEL_OPTIONS, "max_new_tokens"), defaults={"max_new_tokens": 8})
+    p.add_argument("--context", required=True, dest="text",
+                   help="the context to compile into the weights")
+    p.add_argument("--query", action="append", required=True, metavar="Q", dest="queries",
+                   help="a training query (repeat for more)")
+    p.add_argument("--held-out", action="append", default=[], metavar="Q",
+                   help="a query to evaluate on that the fit never saw (repeat for more)")
+    p.add_argument("--rank", type=int, default=8, help="rank of each delta (default 8)")
+    p.add_argument("--ridge", type=float, default=1e-3,
+                   help="ridge lambda of the least squares (default 1e-3; 0: exact fit)")
+    p.add_argument("--adapter", metavar="DIR", help="write the PEFT LoRA adapter folder")
+    p.add_argument("--json", metavar="FILE", help="the result as JSON ('-' for stdout)")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def run_compile(args: argparse.Namespace) -> int:
+    from ..core.compile import compile_context
+    from ..core.export import json_text, write_json
+
+    say = _Progress(args.quiet)
+    run = spec.from_namespace(args)
+    if args.rank < 1:
+        raise UserError(f"--rank must be at least 1, not {args.rank}")
+    if not args.ridge >= 0 or args.ridge == float("inf"):
+        raise UserError(f"--ridge must be a finite number >= 0, not {args.ridge}")
+    folder = Path(args.adapter) if args.adapter else None
+    if folder is not None and folder.exists() and not folder.is_dir():
+        raise UserError(f"--adapter {folder} is a file: give a folder")
+    if folder is not None and not folder.exists() and not folder.resolve().parent.is_dir():
+        raise UserError(f"cannot write --adapter {folder}: its parent folder does not exist")
+    inside = None if folder is None or not folder.is_dir() else str(
+        folder / "adapter_model.safetensors")  # (a new folder is made after the fit)
+    check_outputs({"--json": args.json, "--adapter": inside}, _inputs(args), text=("--json",))
+    loaded = _load(run, say)
+    compiled = compile_context(loaded, args.text, args.queries, args.held_out,
+                               rank=args.rank, ridge=args.ridge,
+                               max_new_tokens=run.max_new_tokens, say=say)
+    result = compiled.evaluate()
+    assert isinstance(result, dict)
+    if folder is not None:
+        compiled.save_adapter(folder)
+        say(f"wrote the LoRA adapter {folder}")
+    record = compiled.to_dict()
+    if args.json == STDOUT:
+        sys.stdout.write(json_text(record))
+    elif args.json:
+        write_json(args.json, record)
+    if args.json != STDOUT:
+        for name in ("train", "held_out"):
+            for r in record[name]:
+                kept = "n/a" if r["retained"] is None else f"{r['retained']:.3f}"
+                print(f"{name}: {r['query']!r}: match {r['match']}/{r['tokens']}, retained "
+                      f"{kept}, answer without context {r['answer']!r} (with it "
+                      f"{r['full_context_answer']!r})")
     return 0
 
 
@@ -436,6 +506,8 @@ def _command(args: argparse.Namespace) -> int:
         return run_dynamics(args)
     if args.command == "bench":
         return run_bench(args)
+    if args.command == "compile":
+        return run_compile(args)
     from .reproduce import run as run_reproduce
 
     for d in args.dtypes.split(","):

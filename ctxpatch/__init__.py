@@ -39,7 +39,7 @@ from ctxpatch.core import __version__  # noqa: E402
 from ctxpatch.core.errors import Cancelled, UserError  # noqa: E402
 
 __all__ = ["Cancelled", "OptionError", "Run", "UserError", "VerifyResult", "__version__",
-           "compare", "dynamics", "load", "verify"]
+           "compare", "compile", "dynamics", "load", "verify"]
 
 
 class OptionError(UserError, ValueError):
@@ -330,3 +330,29 @@ def verify(patches: str | Path, *, model: Any = None, tolerance: float | None = 
         raise OptionError(str(exc)) from None
     return VerifyResult(result.ok, result.matches, result.steps, result.worst,
                         result.tolerance, checks, pf.conditioning)
+
+
+def compile(context: str, queries: Any, *, held_out: Any = (), model: Any = "demo",
+            rank: int = 8, ridge: float = 1e-3, max_new_tokens: int = 8,
+            progress: Callable[[str], None] | None = None, cancel: Any = None,
+            **options: Any) -> Any:
+    """Compile ``context`` into one weight delta per layer from the training ``queries`` (a
+    string or a list), as ``ctxpatch compile`` does (../shared/ANALYSIS.md A4); returns a
+    `ctxpatch.core.compile.Compiled` with ``evaluate(ranks=..., ridges=...)``,
+    ``generate(query)``, ``save_adapter(folder)`` (a PEFT LoRA) and ``to_dict()``.
+    ``model``: a model from `load` or anything ``--model`` accepts (loaded with ``options``:
+    ``dtype``, ``device``, ...)."""
+    from .core.compile import compile_context
+    from .core.loading import LoadedModel
+
+    queries = [queries] if isinstance(queries, str) else list(queries)
+    held_out = [held_out] if isinstance(held_out, str) else list(held_out)
+    try:
+        loaded = model if isinstance(model, LoadedModel) else load(model, **options)
+        return compile_context(loaded, context, queries, held_out, rank=rank, ridge=ridge,
+                               max_new_tokens=max_new_tokens, say=progress,
+                               should_stop=_stop_fn(cancel))
+    except OptionError:
+        raise
+    except UserError as exc:
+        raise OptionError(str(exc)) from None
