@@ -165,7 +165,7 @@ def test_rank1_difference_does_not_cancel() -> None:
     du, dv = 1e-9 * g.standard_normal(50), 1e-9 * g.standard_normal(70)
     f, h = (u + du, v + dv), (u, v)
     exact = float(np.sum((np.outer(*f) - np.outer(*h)) ** 2))
-    assert squared_distance(f, h) == pytest.approx(exact, rel=1e-6)
+    assert squared_distance(f, h) == pytest.approx(exact, rel=1e-6, abs=0)
     assert squared_distance((-u, -v), h) == pytest.approx(0.0, abs=1e-20 * float(u @ u))
     assert squared_distance(None, h) == pytest.approx(float(u @ u) * float(v @ v))
     assert squared_distance(None, None) == 0.0
