@@ -24,6 +24,12 @@ Two paths give the same numbers (to rounding):
   bias, and for any other vector (a norm's scale or bias, Gemma's post-norms) the module's own
   forward again on that row with its parameter ``+ delta_b`` (`torch.func.functional_call`, so
   ``N(h)`` is the norm's own normalisation, rounding included). T passes instead of T^2.
+  (An additive ``+ dm_b * N(h)[b]`` for the post-norm scales was tried: on the float64 Gemma 3
+  test it put the diagonal ~1e-6 of the logit scale off the full-context logits, against ~4e-8
+  this way, since Gemma's RMSNorm computes in float32 inside a float64 model; on float32 runs
+  whose scale patches are unbounded, |dm| up to 3e7 on the demo with method "direct", neither
+  reproduces even the diagonal: upstream rounding of N(h) times such dm is O(1), which the
+  run's conditioning line warns of, and verify fails there too. Method "stable" bounds them.)
 - written weights (`core.verify.materialized`): one pass per (source, target), the patches
   written into the parameters and restored in ``finally``. The reference the tests compare the
   batched path with, and the fallback wherever the hooks cannot act: patches of a slice of a
