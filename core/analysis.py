@@ -4,7 +4,9 @@
 - ``analysis.lens``: ``{"s": [s_t per step], "steps": [{"step", "token", "layers": {l: {part:
   {"promoted": [[text, logit, id], ...], "suppressed": [...], "emitted": logit} or None}}}]}``
   (`core.lens`; a part is None where it is not defined in that layer);
-- ``analysis.geometry``: `core.geometry.patch_geometry` of the steps' patch vectors.
+- ``analysis.geometry``: `core.geometry.patch_geometry` of the steps' patch vectors;
+- ``analysis.transfer``: `core.transfer.transfer` (it needs the model: `core.runs` computes it
+  after the steps and passes it in).
 
 Plain data only (no torch here): the command line, the report and the window read it.
 """
@@ -18,9 +20,10 @@ from typing import Any
 from .results import StepResult
 
 
-def analysis_section(steps: Sequence[StepResult], analyze: Sequence[str] | frozenset[str]
-                     ) -> dict[str, Any] | None:
-    """The record's ``analysis`` for the analyses asked (None when none was)."""
+def analysis_section(steps: Sequence[StepResult], analyze: Sequence[str] | frozenset[str],
+                     transfer: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The record's ``analysis`` for the analyses asked (None when none was); ``transfer``: the
+    transfer section, computed with the model (`core.transfer.transfer`), when asked."""
     out: dict[str, Any] = {}
     if "lens" in analyze:
         out["lens"] = {
@@ -32,6 +35,8 @@ def analysis_section(steps: Sequence[StepResult], analyze: Sequence[str] | froze
         from .geometry import patch_geometry
 
         out["geometry"] = patch_geometry([s.patches or {} for s in steps])
+    if "transfer" in analyze and transfer is not None:
+        out["transfer"] = transfer
     return out or None
 
 
@@ -76,7 +81,34 @@ def summary_lines(analysis: dict[str, Any] | None, steps: int = 3) -> list[str]:
         ranks = ", ".join(f"{k} {statistics.median(v):.2g}" for k, v in sorted(kinds.items()))
         lines.append(f"geometry: effective rank of {steps_n} steps' patches, median over "
                      f"layers: {ranks}")
+    transfer = analysis.get("transfer")
+    if transfer and transfer.get("retained"):
+        m = transfer_means(transfer)
+        lines.append(f"transfer: retained effect of one step's patches at another, mean off the "
+                     f"diagonal {_share(m['off_diagonal'])} (diagonal {_share(m['diagonal'])}); "
+                     f"the mean patch {_share(m['mean'])}, the previous step's "
+                     f"{_share(m['previous'])}")
     return lines
+
+
+def _share(x: Any) -> str:
+    return "n/a" if x is None else f"{x:.3g}"
+
+
+def transfer_means(section: dict[str, Any]) -> dict[str, float | None]:
+    """Means of a transfer section's retained effect: its diagonal, off the diagonal, the mean
+    patch's curve and the previous step's curve (None where nothing is defined)."""
+    r = section.get("retained") or []
+    n = len(r)
+
+    def avg(xs: list[Any]) -> float | None:
+        xs = [x for x in xs if x is not None]
+        return sum(xs) / len(xs) if xs else None
+
+    return {"diagonal": avg([r[t][t] for t in range(n)]),
+            "off_diagonal": avg([r[s][t] for s in range(n) for t in range(n) if s != t]),
+            "mean": avg(list(section.get("mean") or [])),
+            "previous": avg(list(section.get("previous") or []))}
 
 
 def _kind(name: str) -> str:
@@ -92,4 +124,4 @@ def _kind(name: str) -> str:
     return name
 
 
-__all__ = ["analysis_section", "strongest_layers", "summary_lines"]
+__all__ = ["analysis_section", "strongest_layers", "summary_lines", "transfer_means"]

@@ -459,8 +459,9 @@ def _step_result(loaded: LoadedModel, plan: RunPlan, step: int,
 
 
 def _keeps_patches(spec: RunSpec) -> bool:
-    """A step keeps its patch vectors for the patches file and verify, and for the geometry."""
-    return spec.keep_patches or "geometry" in spec.analyze
+    """A step keeps its patch vectors for the patches file and verify, and for the geometry and
+    the transfer."""
+    return spec.keep_patches or bool({"geometry", "transfer"} & spec.analyze)
 
 
 def _check_finite(step: int, scale: float, bad_layers: list[int], linfs: list[float],

@@ -15,8 +15,8 @@ OutputControl = Literal["scale", "matrix", "bias", "experts"]
 DeviceMap = Literal["auto", "balanced", "sequential"]
 OnFault = Literal["stop", "continue"]
 ControlRow = Literal["auto", "batched", "separate"]
-#: the analyses a comparison may add to its record (../shared/ANALYSIS.md A1, A2)
-Analysis = Literal["lens", "geometry"]
+#: the analyses a comparison may add to its record (../shared/ANALYSIS.md A1, A2, A3)
+Analysis = Literal["lens", "geometry", "transfer"]
 
 DTYPES: tuple[str, ...] = get_args(Dtype)
 METHODS: tuple[str, ...] = get_args(Method)

@@ -303,10 +303,25 @@ class _Lens(TypedDict):
     steps: list[_LensStep]
 
 
+class _Transfer(TypedDict):  # core.transfer.transfer; rows = source step, columns = target
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    retained: list[list[Real]]
+    match: list[list[bool]]
+    linf: list[list[Real]]
+    relative_linf: list[list[Real]]
+    scale: list[Real]
+    mean: list[Real]
+    mean_match: list[bool]
+    previous: list[Real]  # (None at step 0)
+    previous_match: list[bool | None]
+    batched: bool
+
+
 class _Analysis(TypedDict, total=False):  # core.analysis.analysis_section
     __pydantic_config__ = _STRICT  # type: ignore[misc]
     lens: _Lens
     geometry: dict[str, Any]
+    transfer: _Transfer
 
 
 class _Run(TypedDict):  # DESIGN.md "Run JSON"

@@ -130,8 +130,18 @@ def run_comparison(loaded: LoadedModel, prompt: Prompt, spec: RunSpec,
         if on_step is not None:
             on_step(s)
     wall = time.perf_counter() - start
+    transfer = None
+    if "transfer" in plan.spec.analyze and steps:
+        from .errors import Cancelled
+        from .transfer import transfer as transfer_of
+
+        try:  # (a stop during the transfer keeps the run, without its transfer)
+            transfer = transfer_of(loaded, steps, plan.spec.scope, pixels=prompt.pixels,
+                                   should_stop=should_stop)
+        except Cancelled:
+            transfer = None
     record = record_of(loaded.describe(), prompt, plan.spec, steps, plan.report, wall,
-                       analysis_section(steps, plan.spec.analyze))
+                       analysis_section(steps, plan.spec.analyze, transfer))
     return Comparison(steps, plan.report, record, plan.spec, prompt)
 
 

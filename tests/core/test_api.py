@@ -119,15 +119,15 @@ def test_a_missing_model_is_an_option_error() -> None:
 def test_the_api_s_analysis_is_the_command_line_s(folder: Path, tmp_path: Path) -> None:
     """``analyze=[...]`` from Python and ``--analyze all`` give the same ``analysis``; a run
     without it has none; an unknown analysis is refused in one line before any work."""
-    run = ctxpatch.compare(str(folder), **CASE, analyze=["lens", "geometry"])
+    run = ctxpatch.compare(str(folder), **CASE, analyze=["lens", "geometry", "transfer"])
     out = tmp_path / "cli.json"
     assert main(["compare", "--model", str(folder), "--context", CASE["context"], "--query",
                  CASE["query"], "--max-new-tokens", "3", "--analyze", "all", "--quiet",
                  "--json", str(out)]) == 0
     cli = json.loads(out.read_text())
-    assert run.analysis is not None and set(run.analysis) == {"lens", "geometry"}
+    assert run.analysis is not None and set(run.analysis) == {"lens", "geometry", "transfer"}
     assert comparable_record(run.analysis) == comparable_record(cli["analysis"])
-    assert cli["settings"]["analyze"] == ["geometry", "lens"]
+    assert cli["settings"]["analyze"] == ["geometry", "lens", "transfer"]
     assert len(run.analysis["lens"]["steps"]) == 3
     assert ctxpatch.compare(str(folder), **CASE).analysis is None
     with pytest.raises(ctxpatch.OptionError, match="analyze") as err:
