@@ -132,3 +132,28 @@ def session_job(path: str) -> Task:
         yield SessionReady(path, data, index, run)
 
     return job
+
+
+@dataclass(frozen=True)
+class KnockoutReady:
+    """The knock-out of one step (`core.knockout.knockout`'s plain dict)."""
+
+    step: int
+    result: dict[str, Any]
+
+
+def knockout_job(model: ModelReady, step: Any, scope: str) -> Task:
+    """The knock-out of each patched layer at ``step`` (a `core.results.StepResult` that kept
+    its patches, opaque here), one reduced forward per layer, with progress and cancel."""
+
+    def job(should_stop: StopFn, progress: ProgressFn) -> Iterator[Any]:
+        from ..core.knockout import knockout
+
+        token = step.step + 1
+        progress(f"Knock-out at token {token}…", 0, 0)
+        result = knockout(model.handle, step, scope, should_stop=should_stop,
+                          progress=lambda done, total: progress(
+                              f"Knock-out at token {token}: pass {done} of {total}", done, total))
+        yield KnockoutReady(step.step, result)
+
+    return job

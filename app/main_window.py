@@ -29,7 +29,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from .jobs import ModelReady, RunStarted, Task, load_job, run_job
+from .jobs import KnockoutReady, ModelReady, RunStarted, Task, knockout_job, load_job, run_job
 from .panels.control_panel import QtControlPanel
 from .panels.generation_panel import QtGenerationPanel, plural
 from .panels.geometry_panel import QtGeometryPanel
@@ -152,6 +152,7 @@ class MainWindow(QMainWindow):
         self.input_panel.problem.connect(self.show_error)
         self.history_panel.chosen.connect(self.files.show_run)
         self.plots.overlay.toggled.connect(lambda _: self.files.update_overlays())
+        self.lens.knockout_requested.connect(lambda step: self.knockout(step))
         self.state.subscribe(self._on_state)
 
         if persistent:
@@ -246,6 +247,8 @@ class MainWindow(QMainWindow):
         self.run_action = self._action(run, "&Run comparison", "Ctrl+Return", self.start_run)
         self.cancel_action = self._action(run, "&Cancel", "Esc", self.cancel)
         self._action(run, "&Load model", "Ctrl+L", self.load_model)
+        self._action(run, "&Knock out layers at the lens's token", "Ctrl+K",
+                     lambda: self.knockout())
         view = bar.addMenu("&View")
         self._action(view, "&Previous token", "Alt+Left", lambda: self._step_selection(-1))
         self._action(view, "&Next token", "Alt+Right", lambda: self._step_selection(+1))
@@ -306,6 +309,7 @@ class MainWindow(QMainWindow):
         worker = Worker(job, self)
         worker.loaded.connect(self._on_loaded)
         worker.session_loaded.connect(self.files.on_session_loaded)
+        worker.knockout_ready.connect(self._on_knockout)
         worker.run_started.connect(self._on_run_started)
         worker.token_done.connect(self.state.add_step)
         worker.progress.connect(self._on_progress)
@@ -365,6 +369,11 @@ class MainWindow(QMainWindow):
         if kind == "session":
             self.files.on_session_job_finished(outcome)
             return
+        if kind == "knockout":
+            self.status_label.setText({"completed": "Knock-out done",
+                                       "cancelled": "Knock-out cancelled"}.get(
+                                           outcome, "Knock-out failed (see the message above)"))
+            return
         if kind == "load":
             if outcome != "completed" and self.model is None:
                 self.model_panel.set_loaded("not loaded")
@@ -386,6 +395,36 @@ class MainWindow(QMainWindow):
             self.files.remember_run()
         self._report_run(outcome)
         self.run_finished.emit(outcome)
+
+    def knockout_problem(self, step: int | None) -> str | None:
+        """Why the knock-out cannot run at ``step`` now, in one line (None: it can)."""
+        if self.busy:
+            return "Knock-out: wait for the current job to end, or cancel it (Esc)"
+        if step is None or not 0 <= step < len(self.state.steps):
+            return "Knock-out: no token chosen: run a comparison with Lens ticked, then pick a cell"
+        if getattr(self.state.steps[step], "patches", None) is None:
+            return ("Knock-out: this run kept no patches (a run reopened from a session or the "
+                    "list keeps none): tick Lens under Analyses and run it again")
+        started = self.state.started
+        if self.model is None or started is None or self.model.info != started.model:
+            return "Knock-out: load the model this run used (Ctrl+L), then press K again"
+        return None
+
+    def knockout(self, step: int | None = None) -> None:
+        """Knock out each patched layer at ``step`` (default: the lens tab's pinned token)."""
+        step = self.lens.step if step is None else step
+        problem = self.knockout_problem(step)
+        if problem is not None:
+            self.show_error(problem)
+            return
+        assert step is not None and self.model is not None
+        self.banner.hide()
+        scope = str((self.state.started.settings or {}).get("scope", "all-positions"))
+        self._start(knockout_job(self.model, self.state.steps[step], scope), "knockout",
+                    f"Knock-out at token {step + 1}…")
+
+    def _on_knockout(self, ready: KnockoutReady) -> None:
+        self.lens.set_knockout(ready.result)
 
     def _report_run(self, outcome: str) -> None:
         s = self.state.summary()

@@ -15,7 +15,7 @@ import traceback
 from PySide6.QtCore import QObject, QThread, Signal
 
 from ..core.errors import Cancelled, UserError
-from .jobs import ModelReady, RunStarted, SessionReady, Task
+from .jobs import KnockoutReady, ModelReady, RunStarted, SessionReady, Task
 
 log = logging.getLogger("ctxpatch")
 
@@ -25,6 +25,7 @@ class Worker(QThread):
     token_done = Signal(object)
     loaded = Signal(object)
     session_loaded = Signal(object)
+    knockout_ready = Signal(object)
     progress = Signal(str, int, int)
     completed = Signal()
     cancelled = Signal()
@@ -41,6 +42,8 @@ class Worker(QThread):
             self.run_started.emit(item)
         elif isinstance(item, SessionReady):
             self.session_loaded.emit(item)
+        elif isinstance(item, KnockoutReady):
+            self.knockout_ready.emit(item)
         else:
             self.token_done.emit(item)
 

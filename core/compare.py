@@ -459,9 +459,10 @@ def _step_result(loaded: LoadedModel, plan: RunPlan, step: int,
 
 
 def _keeps_patches(spec: RunSpec) -> bool:
-    """A step keeps its patch vectors for the patches file and verify, and for the geometry and
-    the transfer."""
-    return spec.keep_patches or bool({"geometry", "transfer"} & spec.analyze)
+    """A step keeps its patch vectors for the patches file and verify, for the geometry and the
+    transfer, and with the lens for its knock-out on demand (`core.knockout`, the window's
+    Context lens tab)."""
+    return spec.keep_patches or bool({"geometry", "transfer", "lens"} & spec.analyze)
 
 
 def _check_finite(step: int, scale: float, bad_layers: list[int], linfs: list[float],

@@ -24,6 +24,12 @@ from .loading import LoadedModel
 from .results import StepResult
 from .verify import _Fed, materialized, patches_of_steps
 
+#: the largest gap, in probability over the full context's top-k, between the run with every
+#: patch written into the weights and the full-context run for the knock-out to be read: beyond
+#: it the written patches do not reproduce the run (method direct's unbounded post-norm-scale
+#: patches in float32, as verify finds), and neither do its knock-outs
+REPRODUCES = 1e-3
+
 
 def knockout(loaded: LoadedModel, step: StepResult, scope: str = "all-positions",
              progress: Callable[[int, int], None] | None = None,
@@ -39,7 +45,9 @@ def knockout(loaded: LoadedModel, step: StepResult, scope: str = "all-positions"
 
     Returns:
         JSON-ready ``{"step", "token": {"id", "text"}, "all", "none", "layers": {l: logit},
-        "effect": {l: all - logit}}``.
+        "effect": {l: all - logit}, "prob_gap", "reproduces"}``: ``prob_gap`` the largest
+        probability difference over the full context's top-k between the run with every patch
+        written and the full-context run, ``reproduces`` whether it is within `REPRODUCES`.
 
     Raises:
         UserError: the step kept no patches.
@@ -56,7 +64,9 @@ def knockout(loaded: LoadedModel, step: StepResult, scope: str = "all-positions"
     red, pos = list(step.reduced_input_ids), step.reduced_position_ids
     prefix = _Fed(model, device)
 
-    def logit(chosen: dict[Any, Any]) -> float:
+    gap: list[float] = []  # with every patch: the written run's distance to the full context
+
+    def logit(chosen: dict[Any, Any], check: bool = False) -> float:
         if should_stop is not None and should_stop():
             raise Cancelled
         if scope == "query" and len(red) > 1:
@@ -68,11 +78,16 @@ def knockout(loaded: LoadedModel, step: StepResult, scope: str = "all-positions"
             with materialized(model, chosen):
                 out = last_logits(model, red, device, positions=None if pos is None else
                                   list(pos))
+        if check:
+            probs = torch.softmax(out.double(), -1)
+            top = step.baseline_top_k
+            gap.append(max(abs(float(probs[i]) - p) for i, p in zip(top.ids, top.probs,
+                                                                     strict=True)))
         return float(out[token])
 
     total = len(layers) + 2
     with torch.inference_mode():
-        every, none = logit(patches), logit({})
+        every, none = logit(patches, check=True), logit({})
         if progress is not None:
             progress(2, total)
         dropped: dict[str, float] = {}
@@ -82,7 +97,8 @@ def knockout(loaded: LoadedModel, step: StepResult, scope: str = "all-positions"
                 progress(j + 3, total)
     return {"step": step.step, "token": {"id": token, "text": step.baseline_text},
             "all": every, "none": none, "layers": dropped,
-            "effect": {i: every - v for i, v in dropped.items()}}
+            "effect": {i: every - v for i, v in dropped.items()},
+            "prob_gap": gap[0], "reproduces": gap[0] <= REPRODUCES}
 
 
-__all__ = ["knockout"]
+__all__ = ["REPRODUCES", "knockout"]

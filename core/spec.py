@@ -160,8 +160,9 @@ class RunSpec:
     analyze: frozenset[Analysis] = _opt(
         frozenset(), "add analyses of the patches to the run: lens (what each layer's context "
         "effect writes into the vocabulary), geometry (how the patches align across tokens and "
-        "layers, their rank); comma-separated, or all (default none: the run costs what it "
-        "did)", "run", cli="commas", metavar="A,B")
+        "layers, their rank), transfer (each token's patches applied at every other token); "
+        "comma-separated, or all (default none: the run costs what it did)", "run",
+        cli="commas", metavar="A,B", window=True, label="Analyses")
     keep_patches: bool = _opt(False, "keep every step's patch vectors (set by --save-patches "
                               "and --verify)", "run", cli="none", flag="--save-patches",
                               recorded=False)  # the API keeps them by default, the CLI not

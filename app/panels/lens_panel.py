@@ -21,7 +21,15 @@ from typing import Any
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QEvent, QModelIndex, QPersistentModelIndex, QRectF, QSize, Qt
+from PySide6.QtCore import (
+    QEvent,
+    QModelIndex,
+    QPersistentModelIndex,
+    QRectF,
+    QSize,
+    Qt,
+    Signal,
+)
 from PySide6.QtGui import (
     QBrush,
     QColor,
@@ -33,8 +41,10 @@ from PySide6.QtGui import (
 )
 from PySide6.QtWidgets import (
     QAbstractItemView,
+    QHBoxLayout,
     QHeaderView,
     QLabel,
+    QPushButton,
     QSplitter,
     QStyle,
     QStyledItemDelegate,
@@ -61,6 +71,9 @@ UNDEFINED_TOTAL = ("not defined in this layer: the lens could not read this laye
                    "at this token")
 NO_LENS = ("No context lens in this run: tick Lens under Analyses and run again "
            "(command line: ctxpatch compare --analyze lens).")
+KNOCKOUT_HINT = ("Knock-out: the emitted token's logit with one layer's patches dropped, the "
+                 "others kept (its total effect through the later layers, where the bars are "
+                 "its direct effect). One reduced pass per layer.")
 HINT = ("Cells: the top token the layer's context effect promotes; colour: the logit it adds "
         "to the emitted token. Hover for the top-10 lists; click or use the arrow keys to pin.")
 
@@ -192,11 +205,17 @@ class QtColorScale(QWidget):
 
 
 class QtLensPanel(QWidget):
-    """The context lens of one run, from its record (`set_record`)."""
+    """The context lens of one run, from its record (`set_record`), and the knock-out of a
+    step's layers on demand (`knockout_requested`, answered by `set_knockout`)."""
+
+    #: the step (0-based) whose layers the user asked to knock out
+    knockout_requested = Signal(int)
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.lens: dict[str, Any] | None = None
+        self.knockouts: dict[int, dict[str, Any]] = {}  # step -> core.knockout.knockout
+        self.step: int | None = None  # the pinned token
         self.layers: list[int] = []
         self.levels = 1.0  # the colour scale's half-width
         self.cmap = pg.colormap.get(COLORMAP)
@@ -228,7 +247,7 @@ class QtLensPanel(QWidget):
         self.bars.setLabel("bottom", "layer")
         self.bars.setLabel("left", "emitted-token logit")
         self.bars.showGrid(x=False, y=True, alpha=0.2)
-        self.bars.addLegend(offset=(-10, 10))
+        self.bars.addLegend(offset=(10, 10))  # (top left: the layers that act are late)
         self.mixer_bars = pg.BarGraphItem(x=[], height=[], width=0.4, name="mixer",
                                           brush=OKABE_ITO["orange"])
         self.mlp_bars = pg.BarGraphItem(x=[], height=[], width=0.4, name="MLP",
@@ -237,7 +256,28 @@ class QtLensPanel(QWidget):
                                              brush=OKABE_ITO["black"], pen=None)
         for item in (self.mixer_bars, self.mlp_bars, self.total_dots):
             self.bars.addItem(item)
+        self.knockout_dots = pg.ScatterPlotItem(symbol="d", size=10, name="knock-out",
+                                                brush=OKABE_ITO["vermillion"], pen=None)
+        self.bars.addItem(self.knockout_dots)
         self.bars.addItem(pg.InfiniteLine(pos=0, angle=0, pen=pg.mkPen((128, 128, 128))))
+        self.knockout_button = QPushButton("Knock out each layer at this token")
+        self.knockout_button.setShortcut("K")
+        self.knockout_button.setToolTip(KNOCKOUT_HINT + " Shortcut: K.")
+        self.knockout_button.clicked.connect(self._ask_knockout)
+        self.knockout_note = QLabel("")
+        self.knockout_note.setWordWrap(True)
+        self.knockout_note.setMinimumWidth(10)
+        knock = QWidget()
+        kv = QHBoxLayout(knock)
+        kv.setContentsMargins(0, 0, 0, 0)
+        kv.addWidget(self.knockout_button)
+        kv.addStretch(1)
+        below = QWidget()
+        bv = QVBoxLayout(below)
+        bv.setContentsMargins(0, 0, 0, 0)
+        bv.addWidget(self.graphics, 1)
+        bv.addWidget(knock)
+        bv.addWidget(self.knockout_note)
         left = QWidget()
         lv = QVBoxLayout(left)
         lv.setContentsMargins(0, 0, 0, 0)
@@ -246,9 +286,9 @@ class QtLensPanel(QWidget):
         lv.addWidget(caption)
         right = QSplitter(Qt.Orientation.Vertical)
         right.addWidget(self.details)
-        right.addWidget(self.graphics)
-        right.setStretchFactor(0, 3)
-        right.setStretchFactor(1, 2)
+        right.addWidget(below)
+        right.setStretchFactor(0, 1)
+        right.setStretchFactor(1, 1)
         self.splitter = QSplitter()
         self.splitter.addWidget(left)
         self.splitter.addWidget(right)
@@ -276,7 +316,7 @@ class QtLensPanel(QWidget):
     # -- filling ------------------------------------------------------------------------------
     def clear(self, message: str | None = None) -> None:
         """Empty the tab (a new run), with ``message`` in its place (default: how to get it)."""
-        self.lens, self.layers = None, []
+        self.lens, self.layers, self.knockouts, self.step = None, [], {}, None
         self.grid.clear()
         self.grid.setRowCount(0)
         self.grid.setColumnCount(0)
@@ -293,6 +333,8 @@ class QtLensPanel(QWidget):
         if not lens or not lens.get("steps"):
             self.clear(message)
             return
+        if lens is not self.lens:
+            self.knockouts = {}
         self.lens, self.layers = lens, lens_layers(lens)
         steps = lens["steps"]
         emitted = emitted_matrix(lens)
@@ -371,7 +413,51 @@ class QtLensPanel(QWidget):
         if self.lens is None or not (0 <= row < len(self.layers) and col >= 0):
             return
         self.details.setHtml(self.cell_html(col, self.layers[row], pinned=True))
+        self.step = col
         self._set_bars(col)
+
+    # -- the knock-out ------------------------------------------------------------------------
+    def _ask_knockout(self) -> None:
+        if self.lens is not None and self.step is not None:
+            self.knockout_requested.emit(self.step)
+
+    def set_knockout(self, result: dict[str, Any]) -> None:
+        """Show a step's knock-out (`core.knockout.knockout`) beside its lens bars."""
+        self.knockouts[int(result["step"])] = result
+        if self.step == int(result["step"]):
+            self._set_bars(self.step)
+
+    def knockout_effects(self) -> dict[int, float]:
+        """The knock-out markers drawn for the pinned token (for tests): layer -> effect."""
+        x, y = self.knockout_dots.getData()
+        return {int(round(a)): float(b) for a, b in zip(x, y, strict=True)}
+
+    def _set_knockout(self, step: int | None) -> None:
+        result = self.knockouts.get(step) if step is not None else None
+        if result is None:
+            self.knockout_dots.setData([], [])
+            self.knockout_note.setText("" if step is None else
+                                       "Not computed for this token (press K).")
+            return
+        if not result.get("reproduces", True):
+            self.knockout_note.setText(
+                f"Knock-out not readable at this token: with every patch written into the "
+                f"weights the run is {result.get('prob_gap', math.nan):.2g} in probability from "
+                "the full context's (method direct's unbounded post-norm-scale patches do "
+                "that): run with method stable and knock out again.")
+            self.knockout_dots.setData([], [])
+            return
+        effect = {int(k): float(v) for k, v in result["effect"].items()}
+        layers = sorted(effect)
+        self.knockout_dots.setData(np.array(layers, dtype=float),
+                                   np.array([effect[i] for i in layers]))
+        top = max(layers, key=lambda i: abs(effect[i])) if layers else None
+        self.knockout_note.setText(
+            f"Knock-out at this token: emitted-token logit {result['all']:.4g} with every "
+            f"patch, {result['none']:.4g} with none"
+            + (f"; dropping layer {top} alone changes it most ({-effect[top]:+.4g})"
+               if top is not None else "")
+            + ". Diamonds: logit lost when the layer's patches are dropped.")
 
     def _set_bars(self, step: int | None) -> None:
         if self.lens is None or step is None:
@@ -379,6 +465,7 @@ class QtLensPanel(QWidget):
                 bars.setOpts(x=[], height=[])
             self.total_dots.setData([], [])
             self.bars.setTitle("")
+            self._set_knockout(None)
             return
         x = np.array(self.layers, dtype=float)
         series = {}
@@ -401,6 +488,7 @@ class QtLensPanel(QWidget):
         note = (f" — parts not defined in layer(s) {', '.join(map(str, sorted(set(undefined))))}"
                 if undefined else "")
         self.bars.setTitle(f"token {step + 1} {token!r}: emitted-token logit per layer{note}")
+        self._set_knockout(step)
 
     def bar_heights(self) -> dict[str, np.ndarray]:
         """The bar chart's values (for tests): {"mixer": ..., "mlp": ...} by layer shown."""

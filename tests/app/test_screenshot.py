@@ -92,3 +92,22 @@ def test_a_screenshot_runs_the_documented_defaults_not_the_last_session(
     options = shot.model_panel.spec_options()
     assert options["method"] == RunSpec().method == "direct" and options["layers"] == "all"
     shot.close()
+
+
+def test_the_analyses_given_on_the_command_line_tick_the_windows_boxes(
+        tmp_path: Any, capsys: Any, monkeypatch: Any) -> None:
+    """``ctxpatch --analyze lens`` opens the window with Lens ticked (and only it); an unknown
+    analysis is one line, exit 2, before Qt starts."""
+    from ctxpatch.app import gui
+
+    seen: list[Any] = []
+    monkeypatch.setattr(gui, "_screenshot", lambda app, window, path: seen.append(window) or 0)
+    code = main(["--screenshot", str(tmp_path / "shot.png"), "--query", "q", "--analyze",
+                 "lens"])
+    assert code == 0, capsys.readouterr().err
+    boxes = seen[0].model_panel.analyses
+    assert boxes["lens"].isChecked() and not boxes["geometry"].isChecked()
+    assert seen[0].model_panel.spec_options()["analyze"] == ["lens"]
+    assert main(["--screenshot", str(tmp_path / "s2.png"), "--query", "q", "--analyze",
+                 "lens,nope"]) == 2
+    assert "unknown 'nope'" in capsys.readouterr().err and len(seen) == 1

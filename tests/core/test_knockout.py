@@ -42,6 +42,7 @@ def test_knockout_all_none_and_the_last_layer(absorb: str, scope: str) -> None:
             assert got["none"] == pytest.approx(float(control[token]), abs=1e-12 * scale)
         assert sorted(got["layers"], key=int) == [str(i) for i in range(len(layers))]
         assert any(abs(e) > 1e-3 * scale for e in got["effect"].values())  # (the context acts)
+        assert got["reproduces"] and got["prob_gap"] < 1e-9
         if absorb != "all":
             continue
         # the last layer: its input is exact, so without its patches it outputs T_0, the layer
@@ -70,3 +71,17 @@ def test_knockout_needs_the_patches() -> None:
     step = next(iter_token_patches(loaded, prompt, RunSpec(max_new_tokens=1)))
     with pytest.raises(UserError, match="kept none"):
         knockout(loaded, step)
+
+
+def test_knockout_says_when_the_written_patches_do_not_reproduce_the_run() -> None:
+    """Patches that are not the run's (here every vector tripled, as method direct's unbounded
+    scale patches are in effect once written in float32) give a knock-out flagged unreadable."""
+    import dataclasses
+
+    loaded = tiny_loaded(tiny_config("llama"))
+    prompt = build_prompt(loaded.tokenizer, CONTEXT, QUERY)
+    step = next(iter_token_patches(loaded, prompt, RunSpec(max_new_tokens=1, keep_patches=True)))
+    assert step.patches is not None
+    bad = dataclasses.replace(step, patches={k: 3 * v for k, v in step.patches.items()})
+    got = knockout(loaded, bad)
+    assert not got["reproduces"] and got["prob_gap"] > 1e-3
