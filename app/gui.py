@@ -129,10 +129,15 @@ def check_xcb() -> None:
                         "headless with QT_QPA_PLATFORM=offscreen")
     if missing:
         packages = " ".join(XCB_PACKAGES.get(m, m) for m in missing)
+        sudo = "" if _is_root() else "sudo "  # (root in a container has no sudo)
         raise UserError(f"the window needs system libraries that Qt's X11 (xcb) platform uses and "
-                        f"this machine lacks ({', '.join(missing)}): install them with 'sudo "
+                        f"this machine lacks ({', '.join(missing)}): install them with '{sudo}"
                         f"apt-get install {packages}' (README: Troubleshooting), or run headless "
                         "with QT_QPA_PLATFORM=offscreen")
+
+
+def _is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
 
 
 def window_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -33,11 +33,13 @@ def test_missing_libraries_are_one_line_with_the_apt_command(
     monkeypatch.setenv("QT_QPA_PLATFORM", "xcb")
     monkeypatch.setattr(gui, "missing_xcb_libraries",
                         lambda: ["libxcb-icccm.so.4", "libxcb-keysyms.so.1", "libxcb-cursor.so.0"])
-    with pytest.raises(UserError) as exc:
-        gui.check_xcb()
-    line = str(exc.value)
-    assert "sudo apt-get install libxcb-icccm4 libxcb-keysyms1 libxcb-cursor0" in line
-    assert "\n" not in line and "offscreen" in line
+    for root, said in ((False, "'sudo apt-get install"), (True, "'apt-get install")):
+        monkeypatch.setattr(gui, "_is_root", lambda root=root: root)  # (root has no sudo)
+        with pytest.raises(UserError) as exc:
+            gui.check_xcb()
+        line = str(exc.value)
+        assert f"{said} libxcb-icccm4 libxcb-keysyms1 libxcb-cursor0" in line
+        assert "\n" not in line and "offscreen" in line
 
 
 def test_offscreen_needs_no_x_libraries(monkeypatch: pytest.MonkeyPatch) -> None:
