@@ -141,9 +141,9 @@ def one_read_head(model: Any, rows: int) -> Iterator[None]:
 def last_logits(model: Any, ids: Sequence[int], device: torch.device, cache: Any = None,
                 positions: Sequence[int] | None = None, pixels: dict[str, Any] | None = None,
                 prompt_length: int | None = None, rows: int = 1) -> torch.Tensor:
-    """Last-position logits as a float64 vector (`logits64`); with ``rows`` > 1 (no cache, no
-    image), ``ids`` run as that many identical batch rows and the result is ``(rows,
-    vocabulary)``.
+    """Last-position logits as a float64 vector (`logits64`); with ``rows`` > 1 (no image; a
+    ``cache`` then holds that many rows), ``ids`` run as that many identical batch rows and the
+    result is ``(rows, vocabulary)``.
 
     ``pixels``: an image's processor inputs (`core.prompt.Prompt.pixels`), for the full run: a run
     over ids from position 0 that contain its image tokens, or (``cache`` holding those) its
@@ -152,8 +152,8 @@ def last_logits(model: Any, ids: Sequence[int], device: torch.device, cache: Any
     ``pixels``, a run reads text only; families whose model keeps the image's position offset
     between calls (Qwen2-VL's M-RoPE) then get the language model's plain positions explicitly.
     """
-    if rows > 1 and (cache is not None or pixels is not None):
-        raise ValueError("identical batch rows run without a cache and without an image")
+    if rows > 1 and pixels is not None:
+        raise ValueError("identical batch rows run without an image")
     kwargs: dict[str, Any] = {"logits_to_keep": 1}
     past = 0
     if cache is not None:

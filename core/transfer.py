@@ -54,13 +54,9 @@ from torch import Tensor
 from .errors import Cancelled, UserError
 from .forward import (
     attention_only,
-    fresh_states,
     last_logits,
-    logits64,
-    one_read_head,
     rolled_back,
 )
-from .images import input_rules
 from .loading import LoadedModel
 from .results import StepResult
 from .verify import _Fed, materialized, patches_of_steps
@@ -222,27 +218,6 @@ def row_patches(model: torch.nn.Module, rows: Sequence[Patches]) -> Iterator[Non
             h.remove()
 
 
-def _rows_forward(model: Any, ids: Sequence[int], positions: Sequence[int] | None,
-                  device: torch.device, rows: int, cache: Any = None) -> Tensor:
-    """Last-position logits of ``rows`` identical batch rows (after a ``rows``-row cache, when
-    given), float64, ``(rows, vocabulary)``."""
-    kwargs: dict[str, Any] = {"logits_to_keep": 1}
-    past = 0
-    if cache is not None:
-        fresh_states(cache)
-        kwargs.update(cache=cache, use_cache=True)
-        past = cache.get_seq_length()
-    else:
-        kwargs["use_cache"] = False
-    if positions is None and input_rules(model.config).plain_positions:
-        positions = range(past, past + len(ids))
-    if positions is not None:
-        kwargs["position_ids"] = torch.tensor([list(positions)] * rows, device=device)
-    with one_read_head(model, rows):
-        out = model(input_ids=torch.tensor([list(ids)] * rows, device=device), **kwargs)
-    return logits64(out.logits[:, -1])
-
-
 class _Target:
     """Runs patch sets on one step's reduced input (its ids and positions, the run's scope)."""
 
@@ -279,10 +254,10 @@ class _Target:
             with rolled_back(cache):
                 cache.batch_repeat_interleave(n)
                 with row_patches(model, rows):
-                    return _rows_forward(model, red[-1:], None if pos is None else pos[-1:],
-                                         device, n, cache)
+                    return last_logits(model, red[-1:], device, cache,
+                                       None if pos is None else pos[-1:], rows=n)
         with row_patches(model, rows):
-            return _rows_forward(model, red, pos, device, n)
+            return last_logits(model, red, device, positions=pos, rows=n)
 
 
 def iter_transfer(loaded: LoadedModel, steps: Sequence[StepResult], scope: str,
