@@ -332,6 +332,11 @@ def run_compare(args: argparse.Namespace) -> int:
     prompt = prompt_of(loaded, run, picture)
     plan = RunPlan.build(loaded, prompt, run)
     plans = plan.report
+    if ("transfer" in plan.spec.analyze and plan.spec.method == "direct"
+            and plan.patch.output_control == "scale"):  # (docs/ANALYSES.md, Transfer)
+        print("ctxpatch: warning: the transfer writes each step's patches into the weights' "
+              "action, and method direct's post-norm-scale patches are unbounded here, so even "
+              "the diagonal will not reproduce the run: add --method stable", file=sys.stderr)
     for line in summary_lines(plans):
         say(line)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -192,3 +193,21 @@ def test_the_record_the_command_line_and_the_api(tmp_path: Path) -> None:
     broken["analysis"]["transfer"]["retained"] = "oops"
     with pytest.raises(UserError):
         check_record(broken)
+
+
+def test_the_command_line_warns_of_direct_on_a_post_norm_scale(tmp_path: Path,
+                                                                capsys: Any) -> None:
+    """Method direct on a Gemma (output control "scale"): one warning line suggesting method
+    stable; not with stable, and not on a Llama (a matrix output control)."""
+    gemma = Path(save_tiny_folder(tmp_path / "gemma", gemma3_config(layers=2)))
+    llama = Path(save_tiny_folder(tmp_path / "llama", llama_config(layers=2)))
+    args = ["--context", "Alice lives in Paris.", "--query", "Where?", "--max-new-tokens", "1",
+            "--analyze", "transfer", "--quiet"]
+    said = {}
+    for name, folder, method in (("gemma direct", gemma, "direct"),
+                                 ("gemma stable", gemma, "stable"),
+                                 ("llama direct", llama, "direct")):
+        assert main(["compare", "--model", str(folder), "--method", method, *args]) == 0
+        said[name] = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(said["gemma direct"]) == 1 and "--method stable" in said["gemma direct"][0]
+    assert said["gemma stable"] == [] and said["llama direct"] == []
