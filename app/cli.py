@@ -47,6 +47,9 @@ EXAMPLES_COMPILE = """examples:
   ctxpatch compile --context "Alice moved to Lisbon in 2019 and works there as a marine \\
       biologist." --query "Where does Alice live?" --query "When did Alice move?" \\
       --held-out "What city is Alice in?" --rank 8 --adapter alice-lora --json alice.json
+  ctxpatch compile --model smollm2 --context "Alice moved to Lisbon in 2019." --query \
+      "Where does Alice live?" --held-out "What city is Alice in?" --sweep 1,2,4,8,16 \
+      --report alice.html
 """
 EXAMPLES_VERIFY = """examples:
   ctxpatch verify p.safetensors
@@ -242,47 +245,66 @@ def _compile_parser(sub: Any) -> None:
     p.add_argument("--query", action="append", required=True, metavar="Q", dest="queries",
                    help="a training query (repeat for more)")
     p.add_argument("--held-out", action="append", default=[], metavar="Q",
-                   help="a query to evaluate on that the fit never saw (repeat for more)")
+                   help="a query to evaluate on that the fit never sees (at least one; repeat for "
+                        "more)")
     p.add_argument("--rank", type=int, default=8, help="rank of each delta (default 8)")
     p.add_argument("--ridge", type=float, default=1e-3,
                    help="ridge lambda of the least squares (default 1e-3; 0: exact fit)")
-    p.add_argument("--adapter", metavar="DIR", help="write the PEFT LoRA adapter folder")
+    p.add_argument("--sweep", metavar="RANKS", default="",
+                   help="also compile at each of these ranks, e.g. 1,2,4,8,16: the retained "
+                        "effect against the rank (the JSON's curve, the report's figure)")
+    p.add_argument("--adapter", metavar="DIR",
+                   help="write the PEFT LoRA adapter into this new folder")
     p.add_argument("--json", metavar="FILE", help="the result as JSON ('-' for stdout)")
+    p.add_argument("--report", metavar="FILE",
+                   help="HTML report (PDF when FILE ends in .pdf); its figure also goes to "
+                        "FILE's name + '_plots/' as PNG and SVG")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
 def run_compile(args: argparse.Namespace) -> int:
-    from ..core.compile import compile_context
-    from ..core.export import json_text, write_json
+    from ..core.compile_record import (
+        check_adapter_folder,
+        check_rank,
+        check_request,
+        compile_record,
+        parse_ranks,
+    )
 
     say = _Progress(args.quiet)
     run = spec.from_namespace(args)
-    if args.rank < 1:
-        raise UserError(f"--rank must be at least 1, not {args.rank}")
-    if not args.ridge >= 0 or args.ridge == float("inf"):
-        raise UserError(f"--ridge must be a finite number >= 0, not {args.ridge}")
-    folder = Path(args.adapter) if args.adapter else None
-    if folder is not None and folder.exists() and not folder.is_dir():
-        raise UserError(f"--adapter {folder} is a file: give a folder")
-    if folder is not None and not folder.exists() and not folder.resolve().parent.is_dir():
-        raise UserError(f"cannot write --adapter {folder}: its parent folder does not exist")
-    inside = None if folder is None or not folder.is_dir() else str(
-        folder / "adapter_model.safetensors")  # (a new folder is made after the fit)
-    check_outputs({"--json": args.json, "--adapter": inside}, _inputs(args), text=("--json",))
+    sweep = parse_ranks(args.sweep)
+    check_request(args.queries, args.held_out, args.rank, args.ridge, sweep,
+                  run.max_new_tokens)
+    if args.adapter is not None:
+        check_adapter_folder(args.adapter, _inputs(args))
+    check_outputs({"--json": args.json, "--report": args.report}, _inputs(args),
+                  text=("--json",))
+    check_report(args.report, _inputs(args))
+    from ..core.compile import compile_context, rank_limit
+    from ..core.export import json_text, write_json
+
     loaded = _load(run, say)
+    check_rank(rank_limit(loaded), args.rank, sweep)  # (before any fit)
     compiled = compile_context(loaded, args.text, args.queries, args.held_out,
                                rank=args.rank, ridge=args.ridge,
                                max_new_tokens=run.max_new_tokens, say=say)
-    result = compiled.evaluate()
-    assert isinstance(result, dict)
-    if folder is not None:
-        compiled.save_adapter(folder)
-        say(f"wrote the LoRA adapter {folder}")
-    record = compiled.to_dict()
+    compiled.evaluate()
+    if args.adapter is not None:
+        compiled.save_adapter(args.adapter)
+        say(f"wrote the LoRA adapter {args.adapter}")
+    record = compile_record(compiled, sweep)
     if args.json == STDOUT:
         sys.stdout.write(json_text(record))
     elif args.json:
         write_json(args.json, record)
+    if args.report:  # last: the data above is safe whatever happens to the report
+        from .report import write_report
+
+        report = Path(args.report)
+        write_report(None, report, report.with_name(f"{report.stem}_plots"), _inputs(args),
+                     compiled=record)
+        say(f"wrote the report {report} and its plots in {report.stem}_plots/")
     if args.json != STDOUT:
         for name in ("train", "held_out"):
             for r in record[name]:
@@ -290,7 +312,16 @@ def run_compile(args: argparse.Namespace) -> int:
                 print(f"{name}: {r['query']!r}: match {r['match']}/{r['tokens']}, retained "
                       f"{kept}, answer without context {r['answer']!r} (with it "
                       f"{r['full_context_answer']!r})")
+        for point in record["curve"]:
+            pooled = point["pooled"]
+            print(f"rank {point['rank']}: retained " + ", ".join(
+                f"{name} {_kept(pooled[name]['retained'])} (match {pooled[name]['match']}/"
+                f"{pooled[name]['tokens']})" for name in ("train", "held_out")))
     return 0
+
+
+def _kept(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
 
 
 class _Progress:

@@ -326,10 +326,13 @@ def _settings_table(settings: dict[str, Any]) -> str:
             f"{rows}</table>")
 
 
-def report_html(run: RunRecord, images: dict[str, str], screen: bool = True) -> str:
+def report_html(run: RunRecord, images: dict[str, str], screen: bool = True,
+                compiled: dict[str, Any] | None = None) -> str:
     """The report's HTML; ``images`` maps each plot name (and the context image's thumbnail,
     `THUMBNAIL`) to its ``src`` (data URI or file); ``screen``: for a browser (the PDF's page
-    has its own margins)."""
+    has its own margins); ``compiled``: a compile record, its section at the end."""
+    from .compile_view import compile_html
+
     summary = run.record.get("summary", {})
     p, c = summary.get("patched") or {}, summary.get("control") or {}
     n = summary.get("tokens", len(run.steps))
@@ -387,7 +390,7 @@ Time: {_esc(', '.join(f'{k} {_fmt(v)} s' for k, v in seconds.items()))}.</p>
 parameter, the norm of its patch per layer and token (log10) and the last token's per-layer
 profile.</p>
 {plots}
-{analysis_html(run.record.get("analysis"), images)}</body></html>
+{analysis_html(run.record.get("analysis"), images)}{compile_html(compiled, images)}</body></html>
 """
 
 
@@ -395,10 +398,13 @@ def _data_uri(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
-def write_report(run: RunRecord, path: str | Path, plot_dir: str | Path | None = None,
-                 inputs: Sequence[str | None] = ()) -> list[Path]:
+def write_report(run: RunRecord | None, path: str | Path, plot_dir: str | Path | None = None,
+                 inputs: Sequence[str | None] = (),
+                 compiled: dict[str, Any] | None = None) -> list[Path]:
     """Write the report as HTML, or PDF when ``path`` ends in .pdf; with ``plot_dir``, also
-    every plot as PNG and SVG there. Returns the files written.
+    every plot as PNG and SVG there. Returns the files written. ``compiled``: a compile record
+    (`core.compile_record`), its "Compiled context" section after the run's; with ``run`` None,
+    a report of the compilation alone (``ctxpatch compile --report``).
 
     Everything is made first in temporaries beside the report, then moved into place; Ctrl+C
     and SIGTERM wait until the report is whole (`core.export.signals_held`: the seconds of its
@@ -413,13 +419,18 @@ def write_report(run: RunRecord, path: str | Path, plot_dir: str | Path | None =
         raise UserError(f"cannot write {path}: folder {parent} does not exist")
     check_report(str(path), inputs)
     with signals_held():  # (the drawing too: an exception cannot leave a Qt paint override)
-        return _write_report(run, path, parent, plot_dir)
+        return _write_report(run, path, parent, plot_dir, compiled)
 
 
-def _write_report(run: RunRecord, path: Path, parent: Path,
-                  plot_dir: str | Path | None) -> list[Path]:
-    images = plot_images(run)
-    thumb = thumbnail(run)
+def _write_report(run: RunRecord | None, path: Path, parent: Path,
+                  plot_dir: str | Path | None, compiled: dict[str, Any] | None = None
+                  ) -> list[Path]:
+    from .compile_view import compile_images
+
+    ensure_app()
+    images = plot_images(run) if run is not None else {}
+    images.update(compile_images(compiled, _png, _svg, FIGURE_PT))
+    thumb = thumbnail(run) if run is not None else None
     try:
         staged = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent))
     except OSError as exc:
@@ -437,12 +448,12 @@ def _write_report(run: RunRecord, path: Path, parent: Path,
                     (staged / "plots" / plots[-1]).write_bytes(data)
         body = staged / "report"
         if path.suffix.lower() == ".pdf":
-            _write_pdf(run, images, str(body), thumb)
+            _write_pdf(run, images, str(body), thumb, compiled)
         else:
             uris = {name: _data_uri(png) for name, (png, _) in images.items()}
             if thumb is not None:
                 uris[THUMBNAIL] = _data_uri(thumb)
-            body.write_text(report_html(run, uris), encoding="utf-8", newline="")
+            body.write_text(_page(run, uris, True, compiled), encoding="utf-8", newline="")
         _commit(staged, folder, plots, path)
     except OSError as exc:
         raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
@@ -481,8 +492,19 @@ def _commit(staged: Path, folder: Path | None, plots: Sequence[str], path: Path)
         raise
 
 
-def report_document(run: RunRecord, images: dict[str, tuple[bytes, bytes]],
-                    thumb: bytes | None = None) -> Any:
+def _page(run: RunRecord | None, images: dict[str, str], screen: bool,
+          compiled: dict[str, Any] | None) -> str:
+    """The run's report (with the compilation's section), or the compilation's alone."""
+    if run is not None:
+        return report_html(run, images, screen, compiled)
+    from .compile_view import compile_page
+
+    assert compiled is not None
+    return compile_page(compiled, images, screen)
+
+
+def report_document(run: RunRecord | None, images: dict[str, tuple[bytes, bytes]],
+                    thumb: bytes | None = None, compiled: dict[str, Any] | None = None) -> Any:
     """The report as a QTextDocument, the plots (and the context image's thumbnail) as its
     image resources (for PDF and pages)."""
     from PySide6.QtCore import QUrl
@@ -496,17 +518,17 @@ def report_document(run: RunRecord, images: dict[str, tuple[bytes, bytes]],
     for name, png in pngs.items():
         doc.addResource(QTextDocument.ResourceType.ImageResource, QUrl(f"{name}.png"),
                         QImage.fromData(png, "PNG"))
-    doc.setHtml(report_html(run, {name: f"{name}.png" for name in pngs}, screen=False))
+    doc.setHtml(_page(run, {name: f"{name}.png" for name in pngs}, False, compiled))
     return doc
 
 
-def _write_pdf(run: RunRecord, images: dict[str, tuple[bytes, bytes]], path: str,
-               thumb: bytes | None = None) -> None:
+def _write_pdf(run: RunRecord | None, images: dict[str, tuple[bytes, bytes]], path: str,
+               thumb: bytes | None = None, compiled: dict[str, Any] | None = None) -> None:
     """Qt's own PDF writer renders the same HTML (QTextDocument), plots as image resources."""
     from PySide6.QtCore import QMarginsF
     from PySide6.QtGui import QPageLayout, QPageSize, QPdfWriter
 
-    doc = report_document(run, images, thumb)
+    doc = report_document(run, images, thumb, compiled)
     writer = QPdfWriter(path)
     writer.setPageLayout(QPageLayout(QPageSize(QPageSize.PageSizeId.A4),
                                      QPageLayout.Orientation.Portrait, QMarginsF(15, 15, 15, 15),

@@ -96,6 +96,14 @@ def check_family(loaded: LoadedModel) -> list[LayerSites]:
     return sites
 
 
+def rank_limit(loaded: LoadedModel) -> int:
+    """The highest rank a compiled delta can have: the smallest size of the matrices compiled
+    (each MLP input matrix and the output matrix of every layer), ``min(d_model, d_ff)``."""
+    sizes = [min(module.weight.shape[-2:]) for s in check_family(loaded)
+             for _, module in _modules(s) if getattr(module, "weight", None) is not None]
+    return int(min(sizes))
+
+
 # -- the examples --------------------------------------------------------------------------------
 
 def _decoder(model: Any) -> Any:

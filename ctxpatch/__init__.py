@@ -337,18 +337,22 @@ def compile(context: str, queries: Any, *, held_out: Any = (), model: Any = "dem
             progress: Callable[[str], None] | None = None, cancel: Any = None,
             **options: Any) -> Any:
     """Compile ``context`` into one weight delta per layer from the training ``queries`` (a
-    string or a list), as ``ctxpatch compile`` does (../shared/ANALYSIS.md A4); returns a
+    string or a list; ``held_out``: at least one query the fit never sees), as ``ctxpatch
+    compile`` does (../shared/ANALYSIS.md A4); returns a
     `ctxpatch.core.compile.Compiled` with ``evaluate(ranks=..., ridges=...)``,
     ``generate(query)``, ``save_adapter(folder)`` (a PEFT LoRA) and ``to_dict()``.
     ``model``: a model from `load` or anything ``--model`` accepts (loaded with ``options``:
     ``dtype``, ``device``, ...)."""
-    from .core.compile import compile_context
+    from .core.compile import compile_context, rank_limit
+    from .core.compile_record import check_rank, check_request
     from .core.loading import LoadedModel
 
     queries = [queries] if isinstance(queries, str) else list(queries)
     held_out = [held_out] if isinstance(held_out, str) else list(held_out)
     try:
+        check_request(queries, held_out, rank, ridge, (), max_new_tokens, front="python")
         loaded = model if isinstance(model, LoadedModel) else load(model, **options)
+        check_rank(rank_limit(loaded), rank, front="python")
         return compile_context(loaded, context, queries, held_out, rank=rank, ridge=ridge,
                                max_new_tokens=max_new_tokens, say=progress,
                                should_stop=_stop_fn(cancel))
