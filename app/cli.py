@@ -275,7 +275,7 @@ def run_compile(args: argparse.Namespace) -> int:
     run = spec.from_namespace(args)
     sweep = parse_ranks(args.sweep)
     check_request(args.queries, args.held_out, args.rank, args.ridge, sweep,
-                  run.max_new_tokens)
+                  run.max_new_tokens, context=args.text)
     if args.adapter is not None:
         check_adapter_folder(args.adapter, _inputs(args))
     check_outputs({"--json": args.json, "--report": args.report}, _inputs(args),

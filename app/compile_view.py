@@ -25,6 +25,15 @@ def number(x: Any, digits: str = ".3g") -> str:
     return format(x, digits)
 
 
+def answer_text(text: str) -> str:
+    """An answer as a table shows it: newlines and tabs as ↵ and →, other control characters
+    as their Unicode pictures (␈), an empty answer (an end of text at once) as ∅."""
+    if not text:
+        return "∅"
+    return "".join("↵" if c == "\n" else "→" if c == "\t" else chr(0x2400 + ord(c))
+                   if ord(c) < 32 else "␡" if c == "\x7f" else c for c in text.replace("\r", ""))
+
+
 def table_rows(record: dict[str, Any]) -> list[tuple[str, ...]]:
     """One row per query, the training ones first: set, query, match, retained effect, L-inf,
     mean TVD, the compiled model's answer without the context, the full-context answer."""
@@ -33,7 +42,7 @@ def table_rows(record: dict[str, Any]) -> list[tuple[str, ...]]:
         for r in record.get(key) or []:
             rows.append((label, r["query"], f"{r['match']}/{r['tokens']}",
                          number(r["retained"]), number(r["linf"]), number(r["tvd"]),
-                         r["answer"], r["full_context_answer"]))
+                         answer_text(r["answer"]), answer_text(r["full_context_answer"])))
     return rows
 
 

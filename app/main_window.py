@@ -123,6 +123,7 @@ class MainWindow(QMainWindow):
         self._run_after_load = False
         self._outcome = ""
         self.last_error = ""
+        self.compile_dialog: Any = None  # Run > Compile the context… (made on first use)
 
         self.model_panel = QtModelPanel()
         self.input_panel = QtInputPanel()
@@ -249,6 +250,7 @@ class MainWindow(QMainWindow):
         self._action(run, "&Load model", "Ctrl+L", self.load_model)
         self._action(run, "&Knock out layers at the lens's token", "Ctrl+K",
                      lambda: self.knockout())
+        self._action(run, "Co&mpile the context…", "Ctrl+Shift+C", self.open_compile)
         view = bar.addMenu("&View")
         self._action(view, "&Previous token", "Alt+Left", lambda: self._step_selection(-1))
         self._action(view, "&Next token", "Alt+Right", lambda: self._step_selection(+1))
@@ -369,6 +371,9 @@ class MainWindow(QMainWindow):
         if kind == "session":
             self.files.on_session_job_finished(outcome)
             return
+        if kind in ("compile", "adapter"):  # (the dialog's jobs: `open_compile`)
+            self.compile_dialog.job_finished(kind, outcome)
+            return
         if kind == "knockout":
             self.status_label.setText({"completed": "Knock-out done",
                                        "cancelled": "Knock-out cancelled"}.get(
@@ -422,6 +427,15 @@ class MainWindow(QMainWindow):
         scope = str((self.state.started.settings or {}).get("scope", "all-positions"))
         self._start(knockout_job(self.model, self.state.steps[step], scope), "knockout",
                     f"Knock-out at token {step + 1}…")
+
+    def open_compile(self) -> Any:
+        """Run > Compile the context…: the dialog (`app.compile_dialog`), made on first use."""
+        if self.compile_dialog is None:
+            from .compile_dialog import CompileDialog
+
+            self.compile_dialog = CompileDialog(self)
+        self.compile_dialog.open_for_window()
+        return self.compile_dialog
 
     def _on_knockout(self, ready: KnockoutReady) -> None:
         self.lens.set_knockout(ready.result)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import Field, TypeAdapter, ValidationError
 from typing_extensions import NotRequired, TypedDict  # pydantic needs this TypedDict before 3.12
 
+from ..core.compile_record import CompileRecord
 from ..core.errors import UserError
 from ..core.options import DeviceMap, PatchKind
 from ..core.record import _STRICT, SCHEMA_LOCK, Int32, _Run, first_problem, record_schema
@@ -83,10 +84,16 @@ def new_autosave_path() -> Path:
 
 
 def session_dict(inputs: dict[str, Any], options: dict[str, Any], runs: list[dict[str, Any]],
-                 current: int | None) -> dict[str, Any]:
-    return {"format": FORMAT, "schema_version": SCHEMA_VERSION,
-            "saved": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "inputs": inputs, "options": options, "runs": runs[-MAX_RUNS:], "current": current}
+                 current: int | None, compiled: dict[str, Any] | None = None
+                 ) -> dict[str, Any]:
+    """A session; ``compiled``: the last compilation's record (`core.compile_record`), written
+    only when there is one (older sessions have none, and open as before)."""
+    out = {"format": FORMAT, "schema_version": SCHEMA_VERSION,
+           "saved": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "inputs": inputs, "options": options, "runs": runs[-MAX_RUNS:], "current": current}
+    if compiled:
+        out["compile"] = compiled
+    return out
 
 
 def save_session(path: str | Path, session: dict[str, Any]) -> None:
@@ -140,6 +147,7 @@ class Session(TypedDict):
     options: NotRequired[Any]  # `_options()`, set in `_check`
     runs: Annotated[list[_Run], Field(max_length=MAX_RUNS)]
     current: NotRequired[int | None]
+    compile: NotRequired[CompileRecord | None]  # Run > Compile the context…'s last result
 
 
 _CHECK: dict[type, TypeAdapter[Session]] = {}  # per RunSpec class, built on first use (0.1 s)

@@ -98,6 +98,8 @@ class WindowFiles:
         self._pending_session: SessionReady | None = None  # applied when its job has ended
         #: the shown run's analyses: (its RunStarted, its steps, the section), see `_analysis`
         self._analysis_cache: tuple[Any, int, dict[str, Any] | None] | None = None
+        #: the last compilation's record (`core.compile_record`): sessions and reports keep it
+        self.compiled: dict[str, Any] | None = None
 
     # -- exports --------------------------------------------------------------------------------
     def current_record(self) -> dict[str, Any] | None:
@@ -132,7 +134,7 @@ class WindowFiles:
         """Write the current run as JSON, CSV or a report (HTML, or PDF by the file's suffix);
         returns whether a file was written."""
         record = self.current_record()
-        if record is None:
+        if record is None and not (kind == "report" and self.compiled):
             self._show_error("nothing to export yet: run a comparison first")
             return False
         if path is None:
@@ -159,8 +161,8 @@ class WindowFiles:
 
                 target = Path(path)
                 self._say(f"Writing the report {path}…")
-                write_report(rebuild(record, "the run"), target,
-                             target.with_name(f"{target.stem}_plots"))
+                write_report(None if record is None else rebuild(record, "the run"), target,
+                             target.with_name(f"{target.stem}_plots"), compiled=self.compiled)
         except UserError as exc:
             self._show_error(exc.words("window"))
             return False
@@ -257,7 +259,7 @@ class WindowFiles:
         from .session import session_dict
 
         return session_dict(self._input_panel.save(), self._model_panel.save(), self.history,
-                            self.history_index)
+                            self.history_index, compiled=self.compiled)
 
     def _autosave_session(self) -> bool:
         """Write this window's autosave (never another session's: its first goes where no
@@ -384,6 +386,7 @@ class WindowFiles:
         if data.get("inputs"):
             self._input_panel.restore(data["inputs"], source)
         self.history, self.history_index = list(data.get("runs") or []), index
+        self.compiled = data.get("compile")  # (shown by Run > Compile the context…)
         self._history_panel.set_runs(self.history, index)
         if index is not None and run is not None:
             self._show(index, run)

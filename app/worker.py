@@ -15,6 +15,7 @@ import traceback
 from PySide6.QtCore import QObject, QThread, Signal
 
 from ..core.errors import Cancelled, UserError
+from .compile_jobs import AdapterSaved, CompileReady
 from .jobs import KnockoutReady, ModelReady, RunStarted, SessionReady, Task
 
 log = logging.getLogger("ctxpatch")
@@ -26,6 +27,7 @@ class Worker(QThread):
     loaded = Signal(object)
     session_loaded = Signal(object)
     knockout_ready = Signal(object)
+    compile_ready = Signal(object)  # a CompileReady or an AdapterSaved (app.compile_jobs)
     progress = Signal(str, int, int)
     completed = Signal()
     cancelled = Signal()
@@ -44,6 +46,8 @@ class Worker(QThread):
             self.session_loaded.emit(item)
         elif isinstance(item, KnockoutReady):
             self.knockout_ready.emit(item)
+        elif isinstance(item, CompileReady | AdapterSaved):
+            self.compile_ready.emit(item)
         else:
             self.token_done.emit(item)
 

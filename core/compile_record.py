@@ -15,13 +15,13 @@ The record is `core.compile.Compiled.to_dict` plus ``curve``: one point per rank
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, TypeAdapter, ValidationError
 from typing_extensions import NotRequired, TypedDict
 
-from .errors import UserError
+from .errors import Cancelled, UserError
 from .record import _STRICT, Int32, Real, first_problem
 
 #: how each front end names the request's inputs in a message
@@ -59,9 +59,11 @@ def parse_ranks(text: str, front: Front = "cli") -> list[int]:
 
 def check_request(queries: Sequence[str], held_out: Sequence[str], rank: int, ridge: float,
                   sweep: Sequence[int] = (), max_new_tokens: int = 8,
-                  front: Front = "cli") -> None:
+                  front: Front = "cli", context: str | None = None) -> None:
     """Refuse a bad request in one line before any work (the model's size: `check_rank`)."""
     n = NAMES[front]
+    if context is not None and not context.strip():
+        raise UserError("the context is empty: there is nothing to compile (type one)")
     for k in (rank, *sweep):
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             what = n["rank"] if k == rank else n["sweep"]
@@ -100,11 +102,21 @@ def curve_points(evaluations: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
             for e in evaluations]
 
 
-def compile_record(compiled: Any, sweep: Sequence[int] = ()) -> dict[str, Any]:
-    """The record of a `core.compile.Compiled` (``to_dict``) with its sweep's ``curve`` (each
-    rank compiled anew, at the compilation's ridge)."""
+def compile_record(compiled: Any, sweep: Sequence[int] = (),
+                   should_stop: Callable[[], bool] | None = None,
+                   done: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """The record of a `core.compile.Compiled` (``to_dict``) with its sweep's ``curve``: each
+    rank compiled anew at the compilation's ridge, in increasing order (``should_stop`` checked
+    before each, ``done(rank)`` called after each)."""
+    points = []
+    for k in sorted(set(sweep)):
+        if should_stop is not None and should_stop():
+            raise Cancelled
+        points.append(compiled.evaluate(ranks=[k])[0])
+        if done is not None:
+            done(k)
     record = dict(compiled.to_dict())
-    record["curve"] = curve_points(compiled.evaluate(ranks=list(sweep))) if sweep else []
+    record["curve"] = curve_points(points)
     return record
 
 
@@ -176,6 +188,7 @@ class CompileRecord(TypedDict):
     model: NotRequired[str | None]
     max_new_tokens: NotRequired[Int32]
     curve: NotRequired[Annotated[list[_Point], Field(max_length=MAX_SWEEP)]]
+    seconds: NotRequired[Real]  # the window's: fit and evaluation, wall
 
 
 _CHECK: TypeAdapter[CompileRecord] | None = None

@@ -350,7 +350,8 @@ def compile(context: str, queries: Any, *, held_out: Any = (), model: Any = "dem
     queries = [queries] if isinstance(queries, str) else list(queries)
     held_out = [held_out] if isinstance(held_out, str) else list(held_out)
     try:
-        check_request(queries, held_out, rank, ridge, (), max_new_tokens, front="python")
+        check_request(queries, held_out, rank, ridge, (), max_new_tokens, front="python",
+                      context=context)
         loaded = model if isinstance(model, LoadedModel) else load(model, **options)
         check_rank(rank_limit(loaded), rank, front="python")
         return compile_context(loaded, context, queries, held_out, rank=rank, ridge=ridge,
