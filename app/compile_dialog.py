@@ -179,8 +179,11 @@ class CompileDialog(QDialog):
         if w.files.compiled is not self.record:
             self.show_record(w.files.compiled, handle=None)
         self.show()
-        self.raise_()
-        self.activateWindow()
+        from PySide6.QtGui import QGuiApplication
+
+        if QGuiApplication.platformName() != "offscreen":  # (it has no window stacking)
+            self.raise_()
+            self.activateWindow()
 
     def _lines(self, edit: QPlainTextEdit) -> list[str]:
         return [line.strip() for line in edit.toPlainText().splitlines() if line.strip()]

@@ -94,9 +94,9 @@ def test_a_bad_report_name_is_refused_before_the_model_loads(
 
 
 def test_the_python_api_refuses_in_one_line(model_dir: str) -> None:
-    import ctxpatch
-
     from tiny import llama_config, tiny_loaded
+
+    import ctxpatch
 
     loaded = tiny_loaded(llama_config())
     for kwargs, words in (({}, "held_out: give at least one held-out query"),
