@@ -121,6 +121,7 @@ class CompileDialog(QDialog):
         QShortcut(QKeySequence("Ctrl+E"), self, activated=lambda: self.export_adapter())
         window.worker_created.connect(self._on_worker)
         window.model_ready.connect(self._on_model_ready)
+        window.session_opened.connect(self._on_session_opened)
         self.resize(1100, 780)
 
     def _build(self) -> None:
@@ -300,6 +301,11 @@ class CompileDialog(QDialog):
         self.compile_button.setEnabled(not busy)
         self.cancel_button.setEnabled(busy)
         self.export_button.setEnabled(not busy and self._handle is not None)
+
+    def _on_session_opened(self, outcome: str) -> None:
+        """A session opened while the dialog is open: show its compile result (or none)."""
+        if outcome == "completed" and self.isVisible():
+            self.show_record(self.window_.files.compiled, handle=None)
 
     def _on_model_ready(self) -> None:
         """Another model: the compilation shown no longer belongs to the window's model."""

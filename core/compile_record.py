@@ -18,11 +18,11 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, TypeAdapter, ValidationError
+from pydantic import Field
 from typing_extensions import NotRequired, TypedDict
 
 from .errors import Cancelled, UserError
-from .record import _STRICT, Int32, Real, first_problem
+from .record import _STRICT, Int32, Real
 
 #: how each front end names the request's inputs in a message
 NAMES: dict[str, dict[str, str]] = {
@@ -173,7 +173,8 @@ class _Layer(TypedDict):
 
 
 class CompileRecord(TypedDict):
-    """A compilation as `compile_record` writes it."""
+    """A compilation as `compile_record` writes it (sessions check theirs against it:
+    `app.session.Session`)."""
 
     __pydantic_config__ = _STRICT  # type: ignore[misc]
     rank: Annotated[int, Field(ge=1, lt=2**31)]
@@ -189,21 +190,6 @@ class CompileRecord(TypedDict):
     max_new_tokens: NotRequired[Int32]
     curve: NotRequired[Annotated[list[_Point], Field(max_length=MAX_SWEEP)]]
     seconds: NotRequired[Real]  # the window's: fit and evaluation, wall
-
-
-_CHECK: TypeAdapter[CompileRecord] | None = None
-
-
-def check_compile(data: Any, source: str = "the compile result") -> dict[str, Any]:
-    """``data`` checked against `CompileRecord`; a `UserError` naming the first problem."""
-    global _CHECK
-    if _CHECK is None:
-        _CHECK = TypeAdapter(CompileRecord)
-    try:
-        _CHECK.validate_python(data)
-    except ValidationError as exc:
-        raise UserError(f"{source} is damaged ({first_problem(exc)})") from None
-    return dict(data)
 
 
 def check_adapter_folder(folder: str, inputs: Sequence[str | None] = (),
