@@ -112,3 +112,13 @@ def test_the_python_api_refuses_in_one_line(model_dir: str) -> None:
     full = compile_context(loaded, CONTEXT, ["Zorblat is famous for"], rank=64, ridge=0.0,
                            max_new_tokens=1)
     assert full.rank == 64
+
+
+def test_a_mixture_of_experts_model_is_refused_in_one_line(capsys: Any, tmp_path: Path) -> None:
+    from tiny import save_tiny_folder, tiny_config
+
+    folder = save_tiny_folder(tmp_path / "moe", tiny_config("mixtral"))
+    out = tmp_path / "out"
+    out.mkdir()
+    _refused(capsys, out, [*GOOD, "--adapter", str(out / "lora")], "mixture-of-experts",
+             str(folder))
