@@ -302,20 +302,23 @@ def _plans(run: RunRecord) -> tuple[Any, ...]:
 
 def _controllability_html(run: RunRecord) -> str:
     """The conditioning line and, per patched layer, its mixer, controls and what happened."""
-    from ..core.controllability import conditioning_line, outcome
+    from ..core.controllability import conditioning_line, conditions_line, outcome
     from .panels.control_panel import param_list, run_cell
 
     line = conditioning_line(run.record.get("summary", {}).get("conditioning"))
     plans = _plans(run)
-    if not plans:
-        return f"<p>{_esc(line)}</p>"
-    result = outcome(run.steps, plans)
+    if not plans:  # (a record from before the controllability report: its fault counts)
+        faults = run.record.get("summary", {}).get("faults", {})
+        said = ", ".join(f"{k} {v}" for k, v in faults.items())
+        return f"<p>Faults over all layers and steps: {_esc(said)}.</p><p>{_esc(line)}</p>"
+    result = outcome(run.steps, plans)  # (the verdict the command line and the window give)
+    line = f"{_esc(conditions_line(result))}.<br>{_esc(line)}"
     rows = [(p.layer, p.mixer, param_list(p.inputs, p.layer), param_list(p.outputs, p.layer),
              f"{result[p.layer]['max_entry_ratio']:.3g}", run_cell(result[p.layer]))
             for p in plans]
     head = ("layer", "mixer", "input control", "output control", "largest entry / weight's",
             "this run")
-    return f"<p>{_esc(line)}</p>{_table(rows, head)}"
+    return f"<p>{line}</p>{_table(rows, head)}"
 
 
 def _settings_table(settings: dict[str, Any]) -> str:
@@ -346,7 +349,6 @@ def report_html(run: RunRecord, images: dict[str, str], screen: bool = True) -> 
                    if isinstance(verification, dict) else
                    "<p>Not verified in this run (<code>ctxpatch compare --verify</code>, or "
                    "<code>ctxpatch verify</code> on saved patches).</p>")
-    faults = summary.get("faults", {})
     seconds = summary.get("seconds", {})
     titles = {"per-token": "Per-token metrics (patched vs unpatched control)"}
     titles.update({name: f"Patch norms: {name.split('/', 1)[1]}" for name in images
@@ -376,8 +378,7 @@ patches. Made by ctxpatch {_esc(__version__)} on
 <p><b>Without context, patched</b></p><div class="gen">{_tokens(run, "patched")}</div>
 <h2>Pooled metrics</h2>
 {_table(metrics, ("", "patched (no context)", "control (no context, unpatched)"))}
-<p>Faults over all layers and steps: {_esc(', '.join(f'{k} {v}' for k, v in faults.items()))}.
-Time: {_esc(', '.join(f'{k} {_fmt(v)} s' for k, v in seconds.items()))}.</p>
+<p>Time: {_esc(', '.join(f'{k} {_fmt(v)} s' for k, v in seconds.items()))}.</p>
 <h2>Controllability and conditioning</h2>
 {_controllability_html(run)}
 <h2>Verification</h2>
