@@ -108,6 +108,8 @@ class QtModelPanel(QGroupBox):
         self.footprint.setWordWrap(True)
         self.loaded_label = QLabel("not loaded")
         self.loaded_label.setWordWrap(True)
+        # two lines, always shown whole (the form gave a wrapped label one line's height)
+        self.loaded_label.setMinimumHeight(2 * self.fontMetrics().lineSpacing() + 2)
         self.method = _combo(METHODS)
         self.absorb = _combo(ABSORB)
         self.scope = _combo(SCOPES)
