@@ -56,8 +56,8 @@ EXAMPLES_VERIFY = """examples:
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad option as one line and exit status 2; with
-    ``families_in_help`` its help ends with the supported families, read from the adapter
-    registry only when the help is shown (the registry imports torch)."""
+    ``families_in_help`` its help ends with the supported families (`core.family_names`: the
+    registry's line without importing torch, so that the help takes a fraction of a second)."""
 
     families_in_help = False
 
@@ -69,9 +69,9 @@ class _Parser(argparse.ArgumentParser):
             return super().format_help()
         import textwrap
 
-        from ..core.adapters import supported_families
+        from ..core.family_names import FAMILIES
 
-        families = textwrap.fill("supported families (model types): " + supported_families(),
+        families = textwrap.fill("supported families (model types): " + FAMILIES,
                                  width=100, subsequent_indent="  ", break_on_hyphens=False)
         return super().format_help() + "\n" + families + "\n"
 
@@ -296,11 +296,22 @@ def run_compile(args: argparse.Namespace) -> int:
 class _Progress:
     def __init__(self, quiet: bool) -> None:
         self.quiet = quiet
+        self._staged = (-1, "")  # (the last staged line printed: percent, its step)
 
     def __call__(self, message: str, done: int = 0, total: int = 0) -> None:
-        if not self.quiet:
-            suffix = f" ({done}/{total})" if total else ""
-            print(f"{message}{suffix}", file=sys.stderr, flush=True)
+        from ..core.progress import SCALE
+
+        if self.quiet:
+            return
+        if total == SCALE:  # staged (`core.progress.Stages`): a percentage, every 5% or step
+            percent, step = done * 100 // SCALE, message.split(":", 1)[0]
+            if percent < self._staged[0] + 5 and step == self._staged[1] and percent < 100:
+                return
+            self._staged = (percent, step)
+            print(f"{message} ({percent}%)", file=sys.stderr, flush=True)
+            return
+        suffix = f" ({done}/{total})" if total else ""
+        print(f"{message}{suffix}", file=sys.stderr, flush=True)
 
 
 def _inputs(args: argparse.Namespace, *more: str | None) -> list[str | None]:
