@@ -156,9 +156,9 @@ class MainWindow(QMainWindow):
         self.state.subscribe(self._on_state)
 
         if persistent:
-            self._restore()
+            self._restore(options)
         else:
-            self._first_start()
+            self._first_start(options)
         if model is not None:
             self.model_panel.model.setCurrentText(model)
         if options:
@@ -273,9 +273,15 @@ class MainWindow(QMainWindow):
     def load_model(self, run_after: bool = False) -> None:
         if self.busy:
             return
+        from ..core.footprint import first_use
+
         key = self.model_panel.key()
         self.model = None  # free the old model's memory before loading the next
-        self.model_panel.set_loaded("loading…")
+        if not self.model_panel.model.currentText().strip():  # (what loads, not the placeholder)
+            self.model_panel.model.setCurrentText(key[0])
+        said = first_use(key[0], short=True)  # (a demo's first use: size and time, said first)
+        self.model_panel.set_loaded(f"loading {key[0]}…" + (f" ({said})" if said else ""))
+        self.model_panel.loaded_label.setToolTip(first_use(key[0]) or "")
         self._run_after_load = run_after
         self._start(load_job(*key, **self.model_panel.trust_flags()), "load",
                     f"Loading {key[0]} ({key[1]}, {key[2]})…")
@@ -343,7 +349,7 @@ class MainWindow(QMainWindow):
         self.model_panel.set_loaded(
             f"{info['class']}, {info['num_layers']} layers, {info['dtype']} on {info['device']}"
             + (f" ({info['placement']})" if info.get("placement") else "")
-            + f", {ready.seconds:.1f} s")
+            + f", {ready.seconds:.1f}\u00a0s")  # (never "10.9 / s" across lines)
         self.model_panel.loaded_label.setToolTip(f"family: {info['family']}")
         self.input_panel.set_chat_template_available(ready.has_chat_template)
         self.input_panel.set_takes_images(ready.takes_images)
@@ -527,24 +533,23 @@ class MainWindow(QMainWindow):
         s.setValue("panels/input", json.dumps(self.input_panel.save()))
         s.sync()
 
-    def _first_start(self) -> None:
-        """A fresh profile runs on the first click: the paper's Mars prompt (the first preset)
-        with absorb all, which needs no context."""
-        from .. import resources
+    def _first_start(self, options: dict[str, Any] | None = None) -> None:
+        """A fresh profile runs on the first click: the paper's Mars prompt (the first preset,
+        named in the Presets box) with its absorb all, which needs no context. A prompt given
+        on the command line is run over the documented defaults instead (absorb context), never
+        over the preset's."""
+        if options and any(options.get(k) for k in ("context", "query", "image")):
+            return
+        self.input_panel.choose_preset(0)
 
-        first = resources.presets()[0]
-        self.input_panel.restore({"context": first.get("context", ""),
-                                  "query": first.get("query", "")})
-        self.model_panel.absorb.setCurrentText(first.get("absorb", "all"))
-
-    def _restore(self) -> None:
+    def _restore(self, options: dict[str, Any] | None = None) -> None:
         """The window as it was left, from its settings. A settings file can hold anything (it
         is a text file anyone can edit, or one a newer or older ctxpatch wrote): a value of the
         wrong type or an absurd size is left out with a warning in the log, and its control
         keeps its default (the panels' values: `app.panels.values.checked`); the window starts."""
         s = self.settings
         if s.value("panels/input") is None and s.value("panels/model") is None:
-            self._first_start()
+            self._first_start(options)
         for key, restore in (("window/geometry", self.restoreGeometry),
                              ("window/main_splitter", self.main_splitter.restoreState),
                              ("window/right_splitter", self.right_splitter.restoreState)):

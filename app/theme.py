@@ -50,6 +50,7 @@ def style_graphics(graphics: Any, plots: list[Any], palette: QPalette,
     if point_size is not None:
         font.setPointSizeF(point_size)
     for plot in plots:
+        plot.hideButtons()  # (pyqtgraph's "A" auto-range button: the views fit themselves)
         for name in ("left", "bottom"):
             axis = plot.getAxis(name)
             axis.setPen(foreground)
