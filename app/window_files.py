@@ -214,6 +214,12 @@ class WindowFiles:
 
         from .panels.history_panel import short_label
 
+        def prompt(record: dict[str, Any]) -> tuple[Any, ...]:
+            s = record.get("settings", {})
+            return tuple(s.get(k) for k in ("model", "context", "image", "query", "chat_template"))
+
+        shown_prompt = (prompt(self.history[self.history_index])
+                        if self.history_index is not None and self.history else None)
         runs = []
         if self._plots.overlay.isChecked():
             for i, record in enumerate(self.history):
@@ -224,7 +230,10 @@ class WindowFiles:
                 series = {"linf": np.array([_real(s["linf"]) for s in steps]),
                           "tvd": np.array([_real(s["tvd"]) for s in steps]),
                           "match": np.array([float(bool(s["match"])) for s in steps])}
-                runs.append((short_label(record, i), series))
+                other = shown_prompt is not None and prompt(record) != shown_prompt
+                # (another prompt or model: its tokens are not this run's, said in its label)
+                runs.append((short_label(record, i) + (" · other prompt" if other else ""),
+                             series))
         shown = (short_label(self.history[self.history_index], self.history_index)
                  if self.history_index is not None and self.history else "this run")
         self._plots.set_overlays(runs, shown)

@@ -1,7 +1,8 @@
 """Issue 35, the first fifteen minutes (round two): a fresh window names the preset it opened on
 and runs a prompt given on the command line over the documented defaults (#5); the details box
-says what it is for before any hover, every run (#7); the patch explorer's readout forgets the
-previous parameter's cell (#7); the model box names what is loading (#4)."""
+says what it is for before any hover, every run; an overlaid run of another prompt says so; the
+plots' cursor names its token; the patch explorer's readout forgets the previous parameter's
+cell (#7); the model box names what is loading and what a first use costs (#4)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,14 @@ def test_details_hint_every_run_and_the_readout_follows_the_parameter(
     assert "Token 2" in w.generation.details.toPlainText()
     w.state.reset(w.state.started)  # (what the next run does first: the hint again)
     assert "Hover or click a generated token" in w.generation.details.toPlainText()
+    w.input_panel.query.setPlainText("Another question?")
     assert run_to_end(qtbot, w, timeout=120_000) == "completed"
+    # the overlay says that the first run had another prompt; the cursor names its token
+    w.plots.overlay.setChecked(True)
+    assert "#1 " in w.plots.comparison.text() and "other prompt" in w.plots.comparison.text()
+    w.state.select(1)
+    token = w.state.steps[1].baseline_text.replace("\n", "↵")
+    assert w.plots.cursor_label().startswith(f" 2: {token!r}"), w.plots.cursor_label()
     panel = w.patches
     panel.readout.setText(panel.cell_text(0, 0))
     first = panel.param.itemText(0)
