@@ -348,9 +348,10 @@ class MainWindow(QMainWindow):
         self.model_panel.set_controls(ready.output_controls)
         self.model_panel.set_loaded(
             f"{info['class']}, {info['num_layers']} layers, {info['dtype']} on {info['device']}"
-            + (f" ({info['placement']})" if info.get("placement") else "")
-            + f", {ready.seconds:.1f}\u00a0s")  # (never "10.9 / s" across lines)
-        self.model_panel.loaded_label.setToolTip(f"family: {info['family']}")
+            + (f" ({info['placement']})" if info.get("placement") else ""))
+        # (the time in the status bar and the tooltip: a third line did not fit the form)
+        self.model_panel.loaded_label.setToolTip(f"family: {info['family']}; loaded in "
+                                                 f"{ready.seconds:.1f}\u00a0s")
         self.input_panel.set_chat_template_available(ready.has_chat_template)
         self.input_panel.set_takes_images(ready.takes_images)
         self.device_label.setText(f"{info['device']} · {info['dtype']}")
@@ -385,7 +386,8 @@ class MainWindow(QMainWindow):
                 self.model_panel.set_loaded("not loaded")
             if outcome == "completed":
                 self.banner.hide()  # an earlier error is stale once a model is ready
-                self.status_label.setText(f"Loaded {self.model_panel.spec()}")
+                seconds = f" in {self.model.seconds:.1f}\u00a0s" if self.model else ""
+                self.status_label.setText(f"Loaded {self.model_panel.spec()}{seconds}")
             elif outcome == "cancelled":
                 self.status_label.setText("Loading cancelled")
             if self._run_after_load:

@@ -54,7 +54,7 @@ def first_use(spec: str, short: bool = False) -> str | None:
     seconds = FIRST_USE_SECONDS * DEMOS[spec][1] / DEMOS["demo"][1]
     minutes = f"about {seconds / 60:.0f} minutes" if seconds >= 90 else "about a minute"
     if short:
-        return f"first use: converting it once, {size}, {minutes}"
+        return f"first use: {size}, {minutes}"
     return (f"first use of {spec}: converting it once into a {size} float32 folder in "
             f"{demo_folder(spec).parent}, {minutes} on 2 CPU cores (later loads take seconds)")
 
