@@ -50,8 +50,10 @@ def test_details_hint_every_run_and_the_readout_follows_the_parameter(
     assert "Hover or click a generated token" in w.generation.details.toPlainText()
     w.input_panel.max_tokens.setValue(3)
     assert run_to_end(qtbot, w, timeout=120_000) == "completed"
+    sizes = w.generation.splitter.sizes()  # (sized at the first token: a hover moves nothing)
     w.state.select(1)
     assert "Token 2" in w.generation.details.toPlainText()
+    assert w.generation.splitter.sizes() == sizes
     w.state.reset(w.state.started)  # (what the next run does first: the hint again)
     assert "Hover or click a generated token" in w.generation.details.toPlainText()
     w.input_panel.query.setPlainText("Another question?")
