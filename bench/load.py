@@ -1,11 +1,12 @@
 """The comparison under a background load: ``--load N`` bounded CPU burners
 (`core.bench.background_load`) beside plain generate and each variant, in one process, rounds
 alternating the variants; each variant may set the thread count (``"threads"``: a number, or
-"auto", `core.threads`' choice from the idle cores), and its generate runs at that count too. Prints per variant the median generate and comparison seconds
-and the median of the rounds' compare/generate ratios (docs/PERFORMANCE.md, "A busy machine").
+"auto", `core.threads`' choice from the idle cores), and its generate runs at that count too.
+Prints per variant the median generate and comparison seconds and the median of the rounds'
+compare/generate ratios (docs/PERFORMANCE.md, "A busy machine").
 
     PYTHONPATH=. python3 bench/load.py --load 2 --repeats 5 \\
-        '{"t2": {}, "t1": {"threads": 1}, "t2 separate": {"control_row": "separate"}}'
+        '{"2 threads": {"threads": 2}, "1 thread": {"threads": 1}, "auto": {}}'
 
 The prompt is the Mars prompt with absorb all, 20 new tokens, the demo model.
 """
@@ -36,12 +37,12 @@ def main() -> None:
     ap.add_argument("--load", type=int, default=0, help="CPU burners beside the runs")
     args = ap.parse_args()
     import torch
-
-    import ctxpatch
     from ctxpatch.core.bench import _generate, background_load
     from ctxpatch.core.compare import RunSpec, iter_token_patches
     from ctxpatch.core.prompt import build_prompt
     from ctxpatch.core.threads import ENV, run_threads
+
+    import ctxpatch
 
     variants = json.loads(args.variants)
     loaded = ctxpatch.load(args.model, dtype=args.dtype)
@@ -51,7 +52,7 @@ def main() -> None:
     def timed(kw: dict) -> tuple[float, float]:
         kw = dict(kw)
         # a count, or "auto" (`core.threads`: the idle cores); generate runs with the same
-        os.environ[ENV] = str(kw.pop("threads", default))
+        os.environ[ENV] = str(kw.pop("threads", "auto"))
         spec = RunSpec(max_new_tokens=args.tokens, absorb="all", **kw)
         t = time.perf_counter()
         with run_threads(loaded.device):
