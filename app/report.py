@@ -263,7 +263,7 @@ SETTINGS = {
     "image": ("Context image", "a picture in the context"),
     "control_row": ("Control run's pass", "batched: a batch row of the patched pass; "
                                           "separate: a forward of its own"),
-    "analyze": ("Analyses", "what is read from the patches besides (docs/ANALYSES.md)"),
+    "analyze": ("Analyses", "further readings of the patches (docs/ANALYSES.md)"),
     "device_map": ("Layer placement", "layers spread over devices and disk (accelerate)"),
     "max_memory": ("Memory per device", "for the layer placement"),
     "offload_folder": ("Offload folder", "where the placement puts layers that fit nowhere"),
