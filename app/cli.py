@@ -33,6 +33,7 @@ EXAMPLES_BENCH = """examples:
   ctxpatch bench --absorb all --query "Write a single-sentence weather forecast for Mars, from \\
       the perspective of a slightly annoyed robot:" --repeats 5 --json bench.json
   ctxpatch bench --context "Alice lives in Paris." --query "Where?" --scope query --no-memory
+  ctxpatch bench --absorb all --query "Hi" --load 2 --no-memory   # two busy processes beside
 """
 EXAMPLES_REPRODUCE = """examples:
   ctxpatch reproduce                       # the demo model, into ./ctxpatch-reproduction
@@ -167,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="timed alternations of generate and compare after a warm-up; the "
                             "medians are reported (default 3)")
     bench.add_argument("--no-memory", action="store_true", help="skip the memory children")
+    bench.add_argument("--load", type=int, default=0, metavar="N",
+                       help="time it on a busy machine: N CPU-bound processes run beside the "
+                            "timed runs and stop with them (default 0)")
     repro = sub.add_parser(
         "reproduce", help="the paper's experiments: 5 prompts x {direct, stable} x "
                           "{float32, bfloat16}, absorb all, plus a start-layer sweep; one report",
@@ -409,7 +413,7 @@ def run_compare(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     import json
 
-    from ..core.bench import machine, measure_memory, measure_time
+    from ..core.bench import background_load, machine, measure_memory, measure_time
     from ..core.plan import resolve_control_row
     from ..core.prompt import check_prompt
     from ..core.runs import prepare, prompt_of
@@ -417,6 +421,8 @@ def run_bench(args: argparse.Namespace) -> int:
     say = _Progress(args.quiet)
     if args.repeats < 1:
         raise UserError("--repeats must be at least 1")
+    if not 0 <= args.load <= 64:
+        raise UserError("--load must be between 0 and 64 (the busy processes beside the runs)")
     # generate cannot stop at EOS like the comparison would: both always make every token
     run = spec.from_namespace(args, stop_at_eos=False)
     picture = prepare(run) if run.image is not None else None
@@ -427,8 +433,9 @@ def run_bench(args: argparse.Namespace) -> int:
     run = resolve_control_row(loaded, run)  # (the JSON says which control row ran)
     result: dict[str, Any] = {"machine": machine(), "model": run.model, "dtype": run.dtype,
                               "device": str(loaded.device), "settings": run.to_dict(),
-                              "prompt_tokens": len(prompt.full_ids)}
-    result.update(measure_time(loaded, prompt, run, args.repeats, say))
+                              "prompt_tokens": len(prompt.full_ids), "load": args.load}
+    with background_load(args.load):
+        result.update(measure_time(loaded, prompt, run, args.repeats, say))
     print(f"generate {result['generate_s']:.2f} s, compare {result['compare_s']:.2f} s "
           f"(medians of {args.repeats}): time ratio {result['time_ratio']:.2f}, "
           f"{result['syncs_per_token']:.1f} host syncs per token")

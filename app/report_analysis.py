@@ -337,7 +337,7 @@ def _figure_html(title: str, src: str, width: int) -> str:
 def _lens_html(lens: dict[str, Any], images: dict[str, str]) -> str:
     s = [x for x in lens.get("s") or [] if x is not None]
     head = ("<h2>Context lens</h2>\n<p>What each layer's context effect "
-            "δ = T<sub>C</sub> − T<sub>0</sub> writes into the vocabulary (ANALYSIS.md A1): "
+            "δ = T<sub>C</sub> − T<sub>0</sub> writes into the vocabulary (docs/ANALYSES.md): "
             "δ read through the unembedding with the final norm frozen at the full-context "
             "residual (direct effect only; what δ does through later layers is not in it). "
             "The heatmap shows the logit each layer adds to the token the model with the "
@@ -365,8 +365,9 @@ def _lens_html(lens: dict[str, Any], images: dict[str, str]) -> str:
              "<p>Per generated token, the three layers whose context effect adds the most to its "
              "logit, and that logit split into the mixer's part (attention or state space) and "
              f"the MLP's; \"{NOT_DEFINED}\" where a part does not exist in that layer.</p>\n"
-             "<table class=\"lens\"><tr><th>token</th><th>text</th><th>layer</th>"
-             "<th>total</th><th>mixer</th><th>MLP</th></tr>" + "".join(body) + "</table>")
+             "<table class=\"lens\"><thead><tr><th>token</th><th>text</th><th>layer</th>"
+             "<th>total</th><th>mixer</th><th>MLP</th></tr></thead>" + "".join(body) +
+             "</table>")
     return head + figure + table
 
 
@@ -375,7 +376,7 @@ def _geometry_html(geometry: dict[str, Any], images: dict[str, str]) -> str:
     steps = steps_of(geometry)
     out = [("<h2>Patch geometry</h2>\n<p>How each parameter's patches over the "
             f"{_esc(steps)} generated tokens align and how many directions they span "
-            "(ANALYSIS.md A2), from the stored factors. Effective rank: exp of the entropy of "
+            "(docs/ANALYSES.md), from the stored factors. Effective rank: exp of the entropy of "
             "the normalised singular values of the stack of the patches (1 when all align, T "
             "when orthogonal); rank of the sum: the rank of Σ<sub>t</sub> P<sub>t</sub>. The "
             "heatmap holds the Frobenius cosines between the patches of two tokens, in the "

@@ -160,7 +160,8 @@ class WindowFiles:
                 target = Path(path)
                 self._say(f"Writing the report {path}…")
                 write_report(rebuild(record, "the run"), target,
-                             target.with_name(f"{target.stem}_plots"))
+                             target.with_name(f"{target.stem}_plots"),
+                             selected=self._state.selected)
         except UserError as exc:
             self._show_error(exc.words("window"))
             return False

@@ -197,12 +197,11 @@ def test_the_pdf_keeps_the_sections_headings_with_what_follows(qtbot: Any,
                                                                tmp_path: Path) -> None:
     from ctxpatch.app.report import (
         PDF_DPI,
-        heading_pages,
-        keep_with_next,
         plot_images,
         report_document,
         write_report,
     )
+    from ctxpatch.app.report_print import heading_pages, keep_with_next
     from ctxpatch.core.record import read_record
     from PySide6.QtCore import QMarginsF
     from PySide6.QtGui import QPageLayout, QPageSize
