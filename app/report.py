@@ -78,7 +78,7 @@ def plot_images(run: RunRecord) -> dict[str, tuple[bytes, bytes]]:
     """The run's plots as {name: (PNG bytes, SVG bytes)}: the per-token metrics, then the
     patch-norm heatmap and profile of every patched parameter ("patch-norms/<param>"), then the
     analyses' figures when the record has them (`app.report_analysis`: "lens",
-    "geometry/<role>")."""
+    "geometry/<role>", "transfer")."""
     from PySide6.QtCore import Qt
     from PySide6.QtWidgets import QApplication
 
@@ -109,7 +109,7 @@ def plot_images(run: RunRecord) -> dict[str, tuple[bytes, bytes]]:
         images[f"patch-norms/{key}"] = _png(patches.graphics), _svg(patches.graphics)
     for panel in (plots, patches):
         panel.hide()
-    images.update(analysis_images(run.record.get("analysis"), _png, _svg, FIGURE_PT))
+    images.update(analysis_images(run.record.get("analysis"), _png, _svg, FIGURE_PT, run.record))
     return images
 
 
@@ -387,7 +387,7 @@ Time: {_esc(', '.join(f'{k} {_fmt(v)} s' for k, v in seconds.items()))}.</p>
 parameter, the norm of its patch per layer and token (log10) and the last token's per-layer
 profile.</p>
 {plots}
-{analysis_html(run.record.get("analysis"), images)}</body></html>
+{analysis_html(run.record.get("analysis"), images, run.record)}</body></html>
 """
 
 
