@@ -173,17 +173,6 @@ def token_label(text: str) -> str:
     return shown if len(shown) <= _LABEL_CHARS else shown[:_LABEL_CHARS - 1] + "…"
 
 
-def _text_ticks(axis: Any, labels: Sequence[str], length: float) -> list[tuple[float, str]]:
-    """Ticks 1..T with the labels, every k-th one so that the texts do not overlap in
-    ``length`` pixels of axis."""
-    from PySide6.QtGui import QFontMetrics
-
-    metrics = QFontMetrics(axis.style.get("tickFont") or axis.font())
-    widest = max((metrics.horizontalAdvance(s) for s in labels), default=0) + 8
-    every = max(1, math.ceil(widest * len(labels) / max(length, 1.0)))
-    return [(i + 1.0, s) for i, s in enumerate(labels) if i % every == 0]
-
-
 def _figure(kind: str, point_size: float) -> Any:
     """The figure ``kind`` ("lens", "geometry" or "transfer"), made on first use."""
     if kind not in _FIGURES:
@@ -213,13 +202,15 @@ class _LensFigure:
         import pyqtgraph as pg
         from PySide6.QtCore import Qt
 
+        from .panels.heatmap import LabelAxis
         from .panels.plots_panel import TokenAxis
         from .theme import style_bar, style_graphics
 
         self.graphics = pg.GraphicsLayoutWidget()
         self.graphics.setAttribute(Qt.WidgetAttribute.WA_DontShowOnScreen)
         self.graphics.setFixedSize(*LENS_SIZE)
-        self.plot = self.graphics.addPlot(row=0, col=0, axisItems={"left": TokenAxis("left")})
+        self.plot = self.graphics.addPlot(row=0, col=0, axisItems={
+            "left": TokenAxis("left"), "bottom": LabelAxis("bottom")})
         self.plot.setLabel("bottom", "emitted token")
         self.plot.setLabel("left", "layer")
         self.image, self.bar = _heatmap(self.plot, "logit added to the emitted token")
@@ -243,11 +234,9 @@ class _LensFigure:
         every = max(1, -(-len(layers) // 12))
         self.plot.getAxis("left").setTicks(
             [[(i, str(layer)) for i, layer in enumerate(layers) if i % every == 0]])
+        self.plot.getAxis("bottom").set_labels(  # (every k-th: they never overlap)
+            {t + 1: token_label(text) for t, text in enumerate(tokens)})
         self.graphics.show()
-        QApplication.processEvents()  # lays the plot out: the axis' width is known
-        bottom = self.plot.getAxis("bottom")
-        bottom.setTicks([_text_ticks(bottom, [token_label(t) for t in tokens],
-                                     self.plot.vb.width())])
         QApplication.processEvents()
         return self.graphics
 

@@ -42,6 +42,10 @@ NOT_FINISHED = ("This run asked for the transfer but holds none: it was cancelle
                 "transfer ended. Run it again (Ctrl+Return) to compute it.")
 HINT = ("Hover over the matrix for R, the token match and the L∞ of one source token's patches "
         "at one target token; over the curves for their values at a token.")
+DEFINITION = ("Retained effect R(s→t) = 1 − TVD(p_t, q_s→t) / TVD(p_t, q_∅,t): the patches of "
+              "token s applied at token t's reduced input, against the full context (p_t) and "
+              "the unpatched control (q_∅,t). 1: the context's whole effect, 0: none, below 0: "
+              "harm.")
 GREY = (128, 128, 128)
 
 
@@ -65,6 +69,7 @@ class QtTransferPanel(QWidget):
         self.caveat.setStyleSheet(f"color: {OKABE_ITO['vermillion']}; font-weight: bold;")
         self.summary = QLabel()
         self.summary.setWordWrap(True)
+        self.summary.setToolTip(DEFINITION)
         self.readout = QLabel(HINT)
         self.readout.setTextFormat(Qt.TextFormat.PlainText)
         self.readout.setMinimumWidth(10)  # a long line is cut, never widens the window
@@ -72,6 +77,7 @@ class QtTransferPanel(QWidget):
         self.matrix_plot = self.graphics.addPlot(row=0, col=0, rowspan=2, axisItems={
             "bottom": LabelAxis("bottom"), "left": LabelAxis("left")})
         self.matrix_plot.setLabel("bottom", "target token (the input the patches act on)")
+        self.graphics.setToolTip(DEFINITION)
         self.matrix_plot.setLabel("left", "source token (whose patches)")
         self.image = matrix_image(self.matrix_plot, TRANSFER_LEVELS)
         self.bar = pg.ColorBarItem(values=TRANSFER_LEVELS, colorMap=pg.colormap.get(COLORMAP),
@@ -202,8 +208,7 @@ class QtTransferPanel(QWidget):
             return f"{name} <b>{shown}</b> ({k}/{total} match)"
 
         note = clip_note(self.arrays["retained"])
-        return ("Mean retained effect R (1: the context's whole effect, 0: none, below 0: "
-                "harm): " + ", ".join([part("own patches", "diagonal"),
+        return ("Mean R: " + ", ".join([part("own patches", "diagonal"),
                                        part("another token's", "off_diagonal"),
                                        part("the mean patch", "mean"),
                                        part("the previous token's", "previous")])
@@ -251,4 +256,4 @@ class QtTransferPanel(QWidget):
                 point = self.curves_plot.vb.mapSceneToView(pos)
                 text = self.curve_text(int(round(point.x())) - 1)
         self.readout.setText(text or HINT)
-        self.graphics.setToolTip(text)
+        self.graphics.setToolTip(text or DEFINITION)
