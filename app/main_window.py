@@ -308,7 +308,7 @@ class MainWindow(QMainWindow):
     def cancel(self) -> None:
         if self.worker is not None:
             self.worker.requestInterruption()
-            self.status_label.setText("Cancelling: stopping before the next layer or token…")
+            self.status_label.setText("Cancelling: stopping before the next layer, token or pass…")
 
     def _start(self, job: Task, kind: str, message: str) -> None:
         worker = Worker(job, self)

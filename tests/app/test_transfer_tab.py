@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from ctxpatch.app.panels.lens_panel import visible
 from ctxpatch.app.panels.transfer_panel import NO_TRANSFER, NOT_FINISHED, QtTransferPanel
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QObject, Qt, Slot
 from windows import open_window, run_to_end
 
 TOKENS = 3
@@ -188,6 +188,20 @@ def _watch(w: Any, cancel_at: str | None = None) -> list[tuple[str, int, int]]:
     return seen
 
 
+class _Bar(QObject):
+    """What the window's progress bar and status line show as each progress report arrives on
+    the GUI thread (connected after the window's own slot, so it runs after it)."""
+
+    def __init__(self, w: Any) -> None:
+        super().__init__()
+        self.w, self.seen = w, []
+
+    @Slot(str, int, int)
+    def on_progress(self, message: str, done: int, total: int) -> None:
+        self.seen.append((message, self.w.progress.value(), self.w.progress.maximum(),
+                          self.w.status_label.text()))
+
+
 def test_the_window_runs_shows_and_reopens_the_transfer(
         qtbot: Any, keep: Any, settings: Any, tiny_model_dir: str, tmp_path: Path,
         monkeypatch: Any) -> None:
@@ -198,10 +212,14 @@ def test_the_window_runs_shows_and_reopens_the_transfer(
     assert w.transfer.message.text() == NO_TRANSFER
     w.model_panel.analyses["transfer"].setChecked(True)
     seen = _watch(w)
+    bar = _Bar(w)
+    w.worker_created.connect(lambda worker: worker.progress.connect(bar.on_progress))
     assert run_to_end(qtbot, w) == "completed", w.last_error
     assert w.state.started.settings["analyze"] == ["transfer"]
     passes = [(d, t) for m, d, t in seen if m.startswith("Transfer: pass")]
     assert passes == [(i, TOKENS) for i in range(1, TOKENS + 1)]  # one batched pass per target
+    shown = [(value, top, text) for m, value, top, text in bar.seen if m.startswith("Transfer: p")]
+    assert shown == [(i, TOKENS, f"Transfer: pass {i} of {TOKENS}") for i in range(1, TOKENS + 1)]
     section = w.current_record()["analysis"]["transfer"]
     r = np.array(section["retained"], dtype=float)
     np.testing.assert_allclose(np.diagonal(r), 1.0, atol=1e-4)  # (the tiny folder: float32)
