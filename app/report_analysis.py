@@ -3,8 +3,8 @@ record's ``analysis``: the context lens (a layer x token heatmap of the logit ea
 effect adds to the emitted token, and per token the layers that write it most, split into the
 mixer's and the MLP's parts), the patch geometry (per parameter role, the effective and summed
 rank per layer, and the token x token cosines of the layer with the largest patches) and the
-transfer (the source x target heatmap of the retained effect R, the mean patch's and the previous
-step's R over the tokens, and their means).
+transfer (its own module, `app.report_transfer`: the source x target heatmap of the retained
+effect R, the mean patch's and the previous step's R over the tokens, and their means).
 
 A record without ``analysis`` gives no section and no figure. A part the lens leaves undefined
 in a layer (None in the record) is written "not defined" in tables and left blank in heatmaps,
@@ -21,18 +21,15 @@ from typing import Any
 
 import numpy as np
 
-from ..core.analysis import strongest_layers, transfer_caveat, transfer_means
+from ..core.analysis import strongest_layers
 from ..core.geometry import role_of
 
 #: the figures' size in the report, in CSS pixels (as `app.report.PLOT_SIZE`)
 LENS_SIZE = (670, 420)
 GEOMETRY_SIZE = (670, 330)
-TRANSFER_SIZE = (670, 330)
 LENS = "lens"  # the lens heatmap's image name
 GEOMETRY = "geometry/"  # the prefix of each role's figure: "geometry/mlp.gate_proj"
 TRANSFER = "transfer"  # the transfer figure's image name
-#: the transfer heatmap's fixed colour scale; an R below its low end is drawn at it
-TRANSFER_LEVELS = (-1.0, 1.0)
 NOT_DEFINED = "not defined"
 DIVERGING = "CET-D1"
 _LABEL_CHARS = 8  # a token's text on an axis, at most (then "…")
@@ -106,56 +103,6 @@ def geometry_roles(geometry: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _floats(values: Sequence[Any]) -> np.ndarray:
-    return np.array([np.nan if x is None else float(x) for x in values], dtype=float)
-
-
-def transfer_arrays(section: dict[str, Any]) -> dict[str, np.ndarray]:
-    """A transfer section as arrays (None as NaN): ``retained``, ``match`` (bool), ``linf``,
-    ``relative_linf``: T x T, rows = source step, columns = target step; ``diagonal``,
-    ``mean``, ``previous``: [T] (R of each step's own patches, of the mean patch, of the
-    previous step's patch; NaN at t = 0 for the last)."""
-    r = section.get("retained") or []
-    n = len(r)
-
-    def square(key: str) -> np.ndarray:
-        rows = section.get(key) or []
-        return np.array([_floats(row) for row in rows], dtype=float).reshape(n, n)
-
-    retained = square("retained")
-    return {"retained": retained,
-            "match": np.array([[bool(x) for x in row] for row in section.get("match") or []],
-                              dtype=bool).reshape(n, n),
-            "linf": square("linf"), "relative_linf": square("relative_linf"),
-            "diagonal": np.diagonal(retained).copy(),
-            "mean": _floats(section.get("mean") or [np.nan] * n),
-            "previous": _floats(section.get("previous") or [np.nan] * n)}
-
-
-def step_tokens(record: dict[str, Any]) -> list[str]:
-    """The texts of a run record's generated tokens (the model with the context's), in order."""
-    return [str((s.get("baseline_token") or {}).get("text", "")) for s in record.get("steps") or []]
-
-
-def clipped_below(m: np.ndarray, low: float = TRANSFER_LEVELS[0]) -> tuple[int, float | None]:
-    """How many finite entries of ``m`` lie below ``low`` (drawn at ``low``), and the lowest."""
-    below = m[np.isfinite(m) & (m < low)]
-    return int(below.size), (float(below.min()) if below.size else None)
-
-
-def transfer_counts(section: dict[str, Any]) -> dict[str, tuple[int, int]]:
-    """Token matches as (matching, of how many): the diagonal, off the diagonal, the mean
-    patch and the previous step."""
-    a = transfer_arrays(section)
-    m, n = a["match"], a["match"].shape[0]
-    off = ~np.eye(n, dtype=bool)
-    previous = [x for x in section.get("previous_match") or [] if x is not None]
-    return {"diagonal": (int(np.diagonal(m).sum()), n),
-            "off_diagonal": (int(m[off].sum()), int(off.sum())),
-            "mean": (sum(bool(x) for x in section.get("mean_match") or []), n),
-            "previous": (sum(bool(x) for x in previous), len(previous))}
-
-
 def steps_of(geometry: dict[str, Any]) -> int:
     """How many steps the geometry spans (the size of its Grams)."""
     for entry in (geometry.get("params") or {}).values():
@@ -176,8 +123,11 @@ def token_label(text: str) -> str:
 def _figure(kind: str, point_size: float) -> Any:
     """The figure ``kind`` ("lens", "geometry" or "transfer"), made on first use."""
     if kind not in _FIGURES:
-        _FIGURES[kind] = {"lens": _LensFigure, "geometry": _GeometryFigure,
-                          "transfer": _TransferFigure}[kind](point_size)
+        if kind == "transfer":
+            from .report_transfer import TransferFigure as make
+        else:
+            make = {"lens": _LensFigure, "geometry": _GeometryFigure}[kind]
+        _FIGURES[kind] = make(point_size)
     return _FIGURES[kind]
 
 
@@ -327,98 +277,6 @@ class _GeometryFigure:
         return self.graphics
 
 
-class _TransferFigure:
-    """The source x target heatmap of the retained effect R on a fixed [-1, 1] (left; an R
-    below -1 drawn at -1), and over the target tokens the mean patch's and the previous step's
-    R with the diagonal for reference (right)."""
-
-    def __init__(self, point_size: float) -> None:
-        import pyqtgraph as pg
-        from PySide6.QtCore import Qt
-
-        from .panels.heatmap import LabelAxis
-        from .panels.plots_panel import TokenAxis
-        from .theme import legend_style, series_colors, style_bar, style_graphics
-
-        self.graphics = pg.GraphicsLayoutWidget()
-        self.graphics.setAttribute(Qt.WidgetAttribute.WA_DontShowOnScreen)
-        self.graphics.setFixedSize(*TRANSFER_SIZE)
-        # the legend has a row of its own above both plots: it never covers a point
-        self.legend_row = self.graphics.addLayout(row=0, col=0, colspan=2)
-        self.matrix = self.graphics.addPlot(row=1, col=0, axisItems={
-            "bottom": LabelAxis("bottom"), "left": LabelAxis("left")})
-        self.matrix.setLabel("bottom", "target token")
-        self.matrix.setLabel("left", "source token (its patches)")
-        self.matrix.invertY(True)  # source 1's row at the top
-        self.image, self.bar = _heatmap(self.matrix, "retained effect R")
-        self.legend_row.setContentsMargins(0, 0, 0, 0)
-        self.legend = pg.LegendItem(colCount=3, horSpacing=8, verSpacing=-6)
-        self.legend.layout.setContentsMargins(4, 0, 4, 0)
-        self.legend.setFlag(self.legend.GraphicsItemFlag.ItemIgnoresTransformations, False)
-        self.legend_row.addItem(self.legend, row=0, col=0)
-        self.curves = self.graphics.addPlot(row=1, col=1, axisItems={"bottom": TokenAxis("bottom")})
-        self.curves.setLabel("bottom", "target token")
-        self.curves.setLabel("left", "R")
-        self.curves.showGrid(x=False, y=True, alpha=0.2)
-        self.curves.getAxis("left").setTicks([[(v, f"{v:g}") for v in (-1, -0.5, 0, 0.5, 1)]])
-        self.curves.setMouseEnabled(False, False)
-        self.curves.hideButtons()
-        colors = series_colors(self.graphics.palette())
-        grey = (128, 128, 128)  # (the reference lines: readable on light and dark)
-        self.diagonal = self.curves.plot([], [], name="own (diagonal)",
-                                         pen=pg.mkPen(grey, width=2, style=Qt.PenStyle.DotLine))
-        self.mean = self.curves.plot([], [], name="mean patch",
-                                     pen=pg.mkPen(colors["patched"], width=2), symbol="o",
-                                     symbolSize=6, symbolBrush=colors["patched"],
-                                     symbolPen=pg.mkPen(colors["patched"]))
-        self.previous = self.curves.plot([], [], name="previous token",
-                                         pen=pg.mkPen(colors["control"], width=2,
-                                                      style=Qt.PenStyle.DashLine),
-                                         symbol="s", symbolSize=6, symbolBrush=colors["control"],
-                                         symbolPen=pg.mkPen(colors["control"]))
-        self.curves.addItem(pg.InfiniteLine(pos=0, angle=0, pen=pg.mkPen(grey)))
-        for curve in (self.mean, self.previous, self.diagonal):
-            self.legend.addItem(curve, curve.name())
-        legend_style(self.legend, self.graphics.palette(), point_size)
-        self.legend.updateSize()
-        self.legend_row.layout.setRowFixedHeight(0, self.legend.height() + 4)
-        self.graphics.ci.layout.setColumnStretchFactor(0, 1)
-        self.graphics.ci.layout.setColumnStretchFactor(1, 1)
-        style_graphics(self.graphics, [self.matrix, self.curves], self.graphics.palette(),
-                       point_size)
-        style_bar(self.bar, self.graphics.palette(), point_size)
-
-    def draw(self, section: dict[str, Any], tokens: Sequence[str]) -> Any:
-        from PySide6.QtCore import QRectF
-        from PySide6.QtWidgets import QApplication
-
-        a = transfer_arrays(section)
-        low, high = TRANSFER_LEVELS
-        m = a["retained"]
-        n = m.shape[0]
-        self.image.setImage(np.clip(m, low, high) if n else np.full((1, 1), np.nan),
-                            autoLevels=False)
-        self.bar.setLevels(TRANSFER_LEVELS)  # fixed, centred at 0
-        self.image.setRect(QRectF(0.5, 0.5, max(n, 1), max(n, 1)))
-        self.matrix.setXRange(0.5, max(n, 1) + 0.5, padding=0)
-        self.matrix.setYRange(0.5, max(n, 1) + 0.5, padding=0)
-        labels = {t + 1: token_label(tokens[t]) if t < len(tokens) else str(t + 1)
-                  for t in range(n)}
-        for axis in ("bottom", "left"):
-            self.matrix.getAxis(axis).set_labels(labels)
-        x = np.arange(1, n + 1, dtype=float)
-        for curve, key in ((self.mean, "mean"), (self.previous, "previous"),
-                           (self.diagonal, "diagonal")):
-            y = np.clip(a[key], low, None)
-            keep = np.isfinite(y)
-            curve.setData(x[keep], y[keep])
-        self.curves.setXRange(0.5, max(n, 1) + 0.5, padding=0)
-        self.curves.setYRange(low - 0.1, high + 0.1, padding=0)  # (the ±1 labels drawn)
-        self.graphics.show()
-        QApplication.processEvents()
-        return self.graphics
-
-
 def analysis_images(analysis: dict[str, Any] | None, png: Any, svg: Any,
                     point_size: float, record: dict[str, Any] | None = None
                     ) -> dict[str, tuple[bytes, bytes]]:
@@ -445,6 +303,8 @@ def analysis_images(analysis: dict[str, Any] | None, png: Any, svg: Any,
             widget.hide()
     transfer = analysis.get("transfer")
     if transfer and transfer.get("retained"):
+        from .report_transfer import step_tokens
+
         widget = _figure("transfer", point_size).draw(transfer, step_tokens(record or {}))
         images[TRANSFER] = png(widget), svg(widget)
         widget.hide()
@@ -534,55 +394,6 @@ def _geometry_html(geometry: dict[str, Any], images: dict[str, str]) -> str:
     return "".join(out)
 
 
-def _share(x: Any) -> str:
-    return "n/a" if x is None else f"{x:.3g}"
-
-
-def clip_note(m: np.ndarray) -> str:
-    """The sentence that says which entries the fixed colour scale clips ("" when none)."""
-    count, lowest = clipped_below(m)
-    if not count:
-        return ""
-    low = TRANSFER_LEVELS[0]
-    return (f"{count} {'entry lies' if count == 1 else 'entries lie'} below R = {low:g} "
-            f"(lowest {lowest:.3g}) and {'is' if count == 1 else 'are'} drawn at {low:g}.")
-
-
-def _transfer_html(section: dict[str, Any], images: dict[str, str],
-                   record: dict[str, Any] | None) -> str:
-    a = transfer_arrays(section)
-    n = a["retained"].shape[0]
-    means, counts = transfer_means(section), transfer_counts(section)
-    out = [("<h2>Transfer</h2>\n<p>Does the patch set of one token work at another "
-            "(ANALYSIS.md A3)? Each generated token's whole patch set, unchanged, is applied at "
-            f"every other token's reduced input ({_esc(n)} x {_esc(n)}); the retained effect "
-            "R(s→t) = 1 − TVD(p<sub>t</sub>, q<sub>s→t</sub>) / TVD(p<sub>t</sub>, "
-            "q<sub>∅,t</sub>), with p<sub>t</sub> the full-context distribution and "
-            "q<sub>∅,t</sub> the unpatched control: 1 is the context's whole effect, 0 none, "
-            "below 0 harm. Rows: the source token (whose patches), columns: the target token; "
-            "the colours on a fixed scale [−1, 1], centred at 0. The curves: the mean of all "
-            "tokens' patch sets, and the previous token's, at each token, with the diagonal "
-            "(each token's own patches) for reference. " + _esc(clip_note(a["retained"]))
-            + "</p>\n")]
-    caveat = transfer_caveat(record) if record else None
-    if caveat:
-        out.append(f"<p><b>{_esc(caveat)}</b></p>\n")
-    if TRANSFER in images:
-        out.append(_figure_html("Transfer: retained effect R, source x target token",
-                                images[TRANSFER], TRANSFER_SIZE[0]))
-    rows = [("own patches (the diagonal)", means["diagonal"], counts["diagonal"]),
-            ("another token's patches (off the diagonal)", means["off_diagonal"],
-             counts["off_diagonal"]),
-            ("the mean patch", means["mean"], counts["mean"]),
-            ("the previous token's patches", means["previous"], counts["previous"])]
-    out.append("<h3>Retained effect, means</h3>\n<table class=\"transfer\"><tr><th>patches "
-               "applied</th><th>mean R</th><th>tokens that match</th></tr>" + "".join(
-                   f"<tr><td>{_esc(name)}</td><td>{_esc(_share(mean))}</td>"
-                   f"<td>{_esc(f'{k}/{total}')}</td></tr>" for name, mean, (k, total) in rows)
-               + "</table>")
-    return "".join(out)
-
-
 def analysis_html(analysis: dict[str, Any] | None, images: dict[str, str],
                   record: dict[str, Any] | None = None) -> str:
     """The report's "Context lens", "Patch geometry" and "Transfer" sections ("" without
@@ -596,7 +407,9 @@ def analysis_html(analysis: dict[str, Any] | None, images: dict[str, str],
     if analysis.get("geometry"):
         parts.append(_geometry_html(analysis["geometry"], images))
     if (analysis.get("transfer") or {}).get("retained"):
-        parts.append(_transfer_html(analysis["transfer"], images, record))
+        from .report_transfer import transfer_html
+
+        parts.append(transfer_html(analysis["transfer"], images, record))
     return "\n".join(parts) + ("\n" if parts else "")
 
 
@@ -606,7 +419,6 @@ def figure_titles(images: dict[str, Any]) -> set[str]:
             if name in (LENS, TRANSFER) or name.startswith(GEOMETRY)}
 
 
-__all__ = ["GEOMETRY", "LENS", "NOT_DEFINED", "TRANSFER", "TRANSFER_LEVELS", "analysis_html",
-           "analysis_images", "clip_note", "clipped_below", "figure_titles", "geometry_roles",
-           "lens_matrix", "lens_rows", "role_label", "step_tokens", "transfer_arrays",
-           "transfer_counts"]
+__all__ = ["GEOMETRY", "LENS", "NOT_DEFINED", "TRANSFER", "analysis_html", "analysis_images",
+           "figure_titles", "geometry_roles", "lens_matrix", "lens_rows", "role_label",
+           "token_label"]

@@ -23,11 +23,11 @@ from PySide6.QtCore import QEvent, Qt
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
 from ...core.analysis import transfer_caveat, transfer_means
-from ..report_analysis import (
+from ..report_analysis import token_label
+from ..report_transfer import (
     TRANSFER_LEVELS,
     clip_note,
     step_tokens,
-    token_label,
     transfer_arrays,
     transfer_counts,
 )

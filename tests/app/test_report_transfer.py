@@ -76,7 +76,7 @@ def test_the_figure_is_written_as_png_and_svg_with_the_records_r(
         qtbot: Any, transferred: tuple[dict[str, Any], Path]) -> None:
     from ctxpatch.app import report_analysis
     from ctxpatch.app.report import PNG_SCALE
-    from ctxpatch.app.report_analysis import TRANSFER_SIZE
+    from ctxpatch.app.report_transfer import TRANSFER_SIZE
     from PySide6.QtGui import QImage
 
     record, folder = transferred
