@@ -229,3 +229,14 @@ def test_a_stop_during_the_transfer_keeps_the_run_without_it() -> None:
     # the negative control: without the stop the same run holds its transfer
     whole = run_comparison(loaded, prompt, spec)
     assert set(whole.record["analysis"]) == {"geometry", "transfer"}
+
+
+def test_the_command_line_says_each_transfer_pass(tmp_path: Path, capsys: Any) -> None:
+    folder = Path(save_tiny_folder(tmp_path / "llama", llama_config(layers=2)))
+    args = ["compare", "--model", str(folder), "--context", "Alice lives in Paris.", "--query",
+            "Where?", "--max-new-tokens", "2"]
+    assert main([*args, "--analyze", "transfer"]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "transfer: pass" in line]
+    assert said == ["transfer: pass (1/2)", "transfer: pass (2/2)"]  # one batched pass a target
+    assert main(args) == 0  # without the transfer: no such line
+    assert "transfer: pass" not in capsys.readouterr().err
