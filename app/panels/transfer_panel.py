@@ -165,12 +165,12 @@ class QtTransferPanel(QWidget):
         assert record is not None
         self.section, self.arrays = section, transfer_arrays(section)
         n = self.arrays["retained"].shape[0]
-        self.tokens = [visible(t) for t in step_tokens(record)][:n]
-        self.tokens += [""] * (n - len(self.tokens))
+        texts = step_tokens(record)[:n]
+        self.tokens = [visible(t) for t in texts] + [""] * (n - len(texts))
         show_matrix(self.matrix_plot, self.image, self.displayed(), first=1,
                     levels=TRANSFER_LEVELS)
-        labels = {t + 1: token_label(step_tokens(record)[t]) if t < len(step_tokens(record))
-                  else str(t + 1) for t in range(n)}
+        labels = {t + 1: token_label(texts[t]) if t < len(texts) else str(t + 1)
+                  for t in range(n)}
         for axis in ("bottom", "left"):
             self.matrix_plot.getAxis(axis).set_labels(labels)
         x = np.arange(1, n + 1, dtype=float)
