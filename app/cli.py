@@ -360,7 +360,8 @@ def run_compare(args: argparse.Namespace) -> int:
             f"{'match' if s.patched.match else 'MISMATCH ' + repr(s.patched.text)} "
             f"linf={s.patched.linf:.3g} control linf={s.control.linf:.3g}")
 
-    done = run_comparison(loaded, prompt, run, progress, plan=plan)
+    done = run_comparison(loaded, prompt, run, progress, plan=plan,
+                          transfer_progress=lambda d, t: say("transfer: pass", d, t))
     steps, record = done.steps, done.record
     elapsed = record["summary"]["seconds"]["wall"]
     say(summary_lines(plans, outcome(steps, plans))[-1])

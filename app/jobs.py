@@ -99,9 +99,37 @@ def run_job(model: ModelReady, options: dict[str, Any]) -> Task:
             plan=tuple(plan.report),
         )
         # (the window's progress follows the tokens as they arrive in RunState)
-        yield from iter_token_patches(loaded, prompt, plan.spec, should_stop, plan)
+        steps = []
+        for step in iter_token_patches(loaded, prompt, plan.spec, should_stop, plan):
+            steps.append(step)
+            yield step
+        if "transfer" in plan.spec.analyze and steps and not should_stop():
+            yield transfer_ready(loaded, steps, plan.spec.scope, prompt.pixels, should_stop,
+                                 progress)
 
     return job
+
+
+@dataclass(frozen=True)
+class TransferReady:
+    """A run's transfer (`core.transfer.transfer`'s JSON-ready section), computed after its
+    last token."""
+
+    section: dict[str, Any]
+
+
+def transfer_ready(loaded: Any, steps: list[Any], scope: str, pixels: Any, should_stop: StopFn,
+                   progress: ProgressFn) -> TransferReady:
+    """The transfer of a run's steps, with progress ("Transfer: pass d of n") and cancel
+    between passes (`core.errors.Cancelled`: the run keeps its steps, without a transfer)."""
+    from ..core.transfer import transfer
+
+    n = len(steps)
+    progress(f"Transfer: each of {n} tokens' patches at every token…", 0, 0)
+    section = transfer(loaded, steps, scope, pixels=pixels, should_stop=should_stop,
+                       progress=lambda done, total: progress(
+                           f"Transfer: pass {done} of {total}", done, total))
+    return TransferReady(section)
 
 
 @dataclass(frozen=True)

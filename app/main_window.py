@@ -39,6 +39,7 @@ from .panels.lens_panel import QtLensPanel
 from .panels.model_panel import QtModelPanel
 from .panels.patch_panel import QtPatchPanel
 from .panels.plots_panel import QtPlotsPanel
+from .panels.transfer_panel import QtTransferPanel
 from .state import RunState
 from .window_files import WindowFiles
 from .worker import Worker
@@ -132,6 +133,7 @@ class MainWindow(QMainWindow):
         self.controls = QtControlPanel(self.state)
         self.lens = QtLensPanel()  # (both filled from the finished run's record: `_on_state`)
         self.geometry = QtGeometryPanel()
+        self.transfer = QtTransferPanel()
         self.banner = Banner()
         self.notice = Banner(action="Restore", colour="#1565c0")
         self.history_panel = QtHistoryPanel()
@@ -183,6 +185,7 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.controls, "Controllability")
         self.tabs.addTab(self.lens, "Context lens")
         self.tabs.addTab(self.geometry, "Geometry")
+        self.tabs.addTab(self.transfer, "Transfer")
         right = QSplitter(Qt.Orientation.Vertical)
         top = QWidget()
         tv = QVBoxLayout(top)
@@ -257,6 +260,8 @@ class MainWindow(QMainWindow):
         self._action(view, "&Controllability", "Ctrl+3", lambda: self.tabs.setCurrentIndex(2))
         self._action(view, "Context &lens", "Ctrl+4", lambda: self.tabs.setCurrentIndex(3))
         self._action(view, "&Geometry", "Ctrl+5", lambda: self.tabs.setCurrentIndex(4))
+        self._action(view, "&Transfer", "Ctrl+7",
+                     lambda: self.tabs.setCurrentWidget(self.transfer))
         help_menu = bar.addMenu("&Help")
         self._action(help_menu, "&About ctxpatch", "F1", self.show_about)
 
@@ -309,13 +314,14 @@ class MainWindow(QMainWindow):
     def cancel(self) -> None:
         if self.worker is not None:
             self.worker.requestInterruption()
-            self.status_label.setText("Cancelling: stopping before the next layer or token…")
+            self.status_label.setText("Cancelling: stopping before the next layer, token or pass…")
 
     def _start(self, job: Task, kind: str, message: str) -> None:
         worker = Worker(job, self)
         worker.loaded.connect(self._on_loaded)
         worker.session_loaded.connect(self.files.on_session_loaded)
         worker.knockout_ready.connect(self._on_knockout)
+        worker.transfer_ready.connect(lambda ready: self.state.set_transfer(ready.section))
         worker.run_started.connect(self._on_run_started)
         worker.token_done.connect(self.state.add_step)
         worker.progress.connect(self._on_progress)
@@ -338,7 +344,7 @@ class MainWindow(QMainWindow):
         if total > 0:
             self.progress.setRange(0, total)
             self.progress.setValue(done)
-        if self._kind in ("load", "session"):
+        if self._kind in ("load", "session") or message:  # (a run's only: its transfer's)
             self.status_label.setText(message)
 
     def _on_loaded(self, ready: ModelReady) -> None:
@@ -471,10 +477,12 @@ class MainWindow(QMainWindow):
             self.lens.clear(waiting.format("context lens") if "lens" in asked else None)
             self.geometry.clear(waiting.format("patch geometry") if "geometry" in asked
                                 else None)
+            self.transfer.clear(waiting.format("transfer") if "transfer" in asked else None)
             return
         record = self.files.current_record()
         self.lens.set_record(record)
         self.geometry.set_record(record)
+        self.transfer.set_record(record)
 
     def _step_selection(self, delta: int) -> None:
         if not self.state.steps:

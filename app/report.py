@@ -81,8 +81,8 @@ def plot_images(run: RunRecord, selected: int | None = None) -> dict[str, tuple[
     """The run's plots as {name: (PNG bytes, SVG bytes)}: the per-token metrics, then the
     patch-norm heatmap and profile of every patched parameter ("patch-norms/<param>"), then the
     analyses' figures when the record has them (`app.report_analysis`: "lens",
-    "geometry/<role>"). ``selected``: the token (0-based step) whose per-layer profile the
-    patch-norm figures draw, as the window shows it (default: the last)."""
+    "geometry/<role>", "transfer"). ``selected``: the token (0-based step) whose per-layer
+    profile the patch-norm figures draw, as the window shows it (default: the last)."""
     from PySide6.QtCore import Qt
     from PySide6.QtWidgets import QApplication
 
@@ -114,7 +114,7 @@ def plot_images(run: RunRecord, selected: int | None = None) -> dict[str, tuple[
         images[f"patch-norms/{key}"] = _png(patches.graphics), _svg(patches.graphics)
     for panel in (plots, patches):
         panel.hide()
-    images.update(analysis_images(run.record.get("analysis"), _png, _svg, FIGURE_PT))
+    images.update(analysis_images(run.record.get("analysis"), _png, _svg, FIGURE_PT, run.record))
     return images
 
 
@@ -466,7 +466,7 @@ patches. Made by ctxpatch {_esc(__version__)} on
 parameter, the norm of its patch per layer and token (log10) and one token's per-layer profile:
 the token selected in the window when it wrote the report, else the last.</p>
 {plots}
-{analysis_html(run.record.get("analysis"), images)}</body></html>
+{analysis_html(run.record.get("analysis"), images, run.record)}</body></html>
 """
 
 

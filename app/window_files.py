@@ -96,8 +96,9 @@ class WindowFiles:
         self.history: list[dict[str, Any]] = []  # finished runs' records, oldest first
         self.history_index: int | None = None  # the one shown
         self._pending_session: SessionReady | None = None  # applied when its job has ended
-        #: the shown run's analyses: (its RunStarted, its steps, the section), see `_analysis`
-        self._analysis_cache: tuple[Any, int, dict[str, Any] | None] | None = None
+        #: the shown run's analyses: (its RunStarted, its steps, its transfer, the section), see
+        #: `_analysis`
+        self._analysis_cache: tuple[Any, int, Any, dict[str, Any] | None] | None = None
 
     # -- exports --------------------------------------------------------------------------------
     def current_record(self) -> dict[str, Any] | None:
@@ -116,17 +117,18 @@ class WindowFiles:
 
     def _analysis(self, spec: Any) -> dict[str, Any] | None:
         """The shown run's analyses (`core.analysis.analysis_section`), computed once per run
-        and length: exports, the run list and the analysis tabs all ask for the record."""
+        and length (and again once its transfer arrives): exports, the run list and the analysis
+        tabs all ask for the record."""
         if not spec.analyze:
             return None
-        started, n = self._state.started, len(self._state.steps)
+        started, n, transfer = self._state.started, len(self._state.steps), self._state.transfer
         cache = self._analysis_cache
-        if cache is None or cache[0] is not started or cache[1] != n:
+        if cache is None or cache[0] is not started or cache[1] != n or cache[2] is not transfer:
             from ..core.analysis import analysis_section
 
-            cache = self._analysis_cache = (started, n,
-                                            analysis_section(self._state.steps, spec.analyze))
-        return cache[2]
+            cache = self._analysis_cache = (started, n, transfer, analysis_section(
+                self._state.steps, spec.analyze, transfer))
+        return cache[3]
 
     def export(self, kind: str, path: str | None = None) -> bool:
         """Write the current run as JSON, CSV or a report (HTML, or PDF by the file's suffix);

@@ -57,11 +57,9 @@ from PySide6.QtWidgets import (
 )
 
 from ..theme import OKABE_ITO, style_graphics
+from .heatmap import COLORMAP  # (blue: the layer lowers the emitted token's logit, red: raises)
 from .plots_panel import TokenAxis
 
-#: the diverging colour map of the grid (blue: the layer lowers the emitted token's logit, red:
-#: it raises it), centred at 0
-COLORMAP = "CET-D1"
 PART_NAMES = {"total": "total", "mixer": "mixer", "mlp": "MLP"}
 #: why a part is None in a record (`core.lens.Lens.deltas`)
 UNDEFINED = ("not defined in this layer: the block changes its output after v + branch (as "

@@ -41,6 +41,10 @@ ANALYSES = {
              "vocabulary (the Context lens tab; one more reduced pass per token)"),
     "geometry": ("Geometry", "Patch geometry: how the patches align across tokens and layers, "
                  "and their rank (the Geometry tab; keeps every token's patch vectors)"),
+    "transfer": ("Transfer", "Transfer: each token's patches applied at every other token, "
+                 "the retained effect R (the Transfer tab; T batched passes after the run, "
+                 "T the tokens; keeps every token's patch vectors; with a Gemma-style model "
+                 "use method stable)"),
 }
 
 
