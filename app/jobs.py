@@ -157,3 +157,29 @@ def knockout_job(model: ModelReady, step: Any, scope: str) -> Task:
         yield KnockoutReady(step.step, result)
 
     return job
+
+
+@dataclass(frozen=True)
+class DynamicsReady:
+    """A context-dynamics result as its plain record (`core.dynamics.Dynamics.to_dict`)."""
+
+    record: dict[str, Any]
+
+
+def dynamics_job(model: ModelReady, options: dict[str, Any]) -> Task:
+    """The context dynamics of ``options`` (`core.dynamics.OPTIONS` by name: the context read
+    token by token, the query fixed), one comparison step per context prefix, with progress
+    ("context prefix i of n") and cancel between prefixes and layers."""
+
+    def job(should_stop: StopFn, progress: ProgressFn) -> Iterator[Any]:
+        from ..core.dynamics import dynamics
+        from ..core.spec import from_options
+
+        spec = from_options(options)
+        progress("Dynamics: tokenizing the context…", 0, 0)
+        result = dynamics(model.handle, spec, should_stop=should_stop,
+                          progress=lambda done, total: progress(
+                              f"Dynamics: context prefix {done} of {total}", done, total))
+        yield DynamicsReady(result.to_dict())
+
+    return job

@@ -1,7 +1,8 @@
 """The one worker thread: it drives a job (see `app.jobs`) and forwards what it yields.
 
 Signals carry plain data (STYLE.md 3-4): ``run_started(RunStarted)``, ``token_done(StepResult)``,
-``loaded(ModelReady)``, ``session_loaded(SessionReady)``, ``progress(message, done, total)``; the
+``loaded(ModelReady)``, ``session_loaded(SessionReady)``, ``knockout_ready(KnockoutReady)``,
+``dynamics_ready(DynamicsReady)``, ``progress(message, done, total)``; the
 job then ends with exactly one of ``completed()``, ``cancelled()`` or ``failed(message)``, and
 QThread's own ``finished()`` follows. Cancel is cooperative: `requestInterruption()` is the job's
 ``should_stop`` (core checks it between layers and tokens); the thread is never terminated.
@@ -15,7 +16,7 @@ import traceback
 from PySide6.QtCore import QObject, QThread, Signal
 
 from ..core.errors import Cancelled, UserError
-from .jobs import KnockoutReady, ModelReady, RunStarted, SessionReady, Task
+from .jobs import DynamicsReady, KnockoutReady, ModelReady, RunStarted, SessionReady, Task
 
 log = logging.getLogger("ctxpatch")
 
@@ -26,6 +27,7 @@ class Worker(QThread):
     loaded = Signal(object)
     session_loaded = Signal(object)
     knockout_ready = Signal(object)
+    dynamics_ready = Signal(object)
     progress = Signal(str, int, int)
     completed = Signal()
     cancelled = Signal()
@@ -44,6 +46,8 @@ class Worker(QThread):
             self.session_loaded.emit(item)
         elif isinstance(item, KnockoutReady):
             self.knockout_ready.emit(item)
+        elif isinstance(item, DynamicsReady):
+            self.dynamics_ready.emit(item)
         else:
             self.token_done.emit(item)
 
