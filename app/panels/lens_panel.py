@@ -38,6 +38,7 @@ from PySide6.QtGui import (
     QPainter,
     QPaintEvent,
     QPen,
+    QTextOption,
 )
 from PySide6.QtWidgets import (
     QAbstractItemView,
@@ -133,8 +134,10 @@ def _part_html(p: dict[str, Any] | None, part: str) -> str:
         return f"<td valign='top'><b>{name}</b><br><i>{html.escape(why)}</i></td>"
 
     def rows(items: list[list[Any]]) -> str:
-        return "".join(f"<tr><td>{html.escape(visible(str(t)))}</td>"
-                       f"<td align='right'>{_number(v)}</td></tr>" for t, v, *_ in items)
+        # (never broken inside a word: a long token widens its column, and the view scrolls)
+        return "".join(f"<tr><td nowrap>{html.escape(visible(str(t)))}</td>"
+                       f"<td nowrap align='right'>{_number(v)}</td></tr>"
+                       for t, v, *_ in items)
 
     return (f"<td valign='top'><b>{name}</b><br>emitted {_number(p.get('emitted'))}"
             f"<table cellspacing='0' cellpadding='1'><tr><td colspan='2'><u>promoted</u></td>"
@@ -242,6 +245,9 @@ class QtLensPanel(QWidget):
         caption.setWordWrap(True)
         self.details = QTextBrowser()
         self.details.setOpenLinks(False)
+        # words are never broken (Qt's default breaks them anywhere when a column is narrow:
+        # "internatio|nalization"); a list wider than the view scrolls
+        self.details.setWordWrapMode(QTextOption.WrapMode.WordWrap)
         self.graphics = pg.GraphicsLayoutWidget()
         self.bars = self.graphics.addPlot(row=0, col=0, axisItems={"bottom": TokenAxis("bottom")})
         self.bars.setLabel("bottom", "layer")

@@ -143,6 +143,39 @@ def test_a_part_left_undefined_says_so_and_is_not_drawn(qtbot: Any,
     assert f"not defined in layer(s) {gone}" in panel.bars.titleLabel.text
 
 
+def _lines(document: Any) -> list[str]:
+    """Every laid-out line of a document's text (table cells included), as drawn."""
+    out = []
+    block = document.begin()
+    while block.isValid():
+        layout, text = block.layout(), block.text()
+        for i in range(layout.lineCount()):
+            line = layout.lineAt(i)
+            out.append(text[line.textStart():line.textStart() + line.textLength()])
+        block = block.next()
+    return out
+
+
+def test_the_pinned_list_never_breaks_a_long_word(qtbot: Any, record: dict[str, Any]) -> None:
+    long = " internationalization"
+    changed = copy.deepcopy(record)
+    for step in changed["analysis"]["lens"]["steps"]:
+        for parts in step["layers"].values():
+            for part in parts.values():
+                part["promoted"][0][0] = long
+    panel = QtLensPanel()
+    qtbot.addWidget(panel)
+    panel.resize(700, 400)  # the details pane narrower than its three columns need
+    panel.show()
+    panel.set_record(changed)
+    panel.grid.setCurrentCell(0, 0)
+    qtbot.wait(10)
+    lines = _lines(panel.details.document())
+    whole = [line for line in lines if "internationalization" in line]
+    assert len(whole) == 3  # (total, mixer and MLP: each on one line)
+    assert not any(line.rstrip().endswith(("internatio", "internationali")) for line in lines)
+
+
 def test_the_bars_show_the_selected_tokens_parts_and_the_arrows_move(
         qtbot: Any, lens: QtLensPanel, record: dict[str, Any]) -> None:
     layers = _layers(record)
