@@ -75,7 +75,8 @@ def load_job(spec: str, dtype: str, device: str,
 def run_job(model: ModelReady, options: dict[str, Any]) -> Task:
     """A comparison of ``options`` (`core.spec.RunSpec` fields by name, checked here: a bad one
     fails the job with its one line): one `RunStarted`, then one `core.results.StepResult` per
-    token. An ``image`` is a picture's path, absorbed with the context (image+text models)."""
+    token, then (analyses asked) one `AnalysisReady`. An ``image`` is a picture's path, absorbed
+    with the context (image+text models)."""
 
     def job(should_stop: StopFn, progress: ProgressFn) -> Iterator[Any]:
         from dataclasses import replace
@@ -99,9 +100,26 @@ def run_job(model: ModelReady, options: dict[str, Any]) -> Task:
             plan=tuple(plan.report),
         )
         # (the window's progress follows the tokens as they arrive in RunState)
-        yield from iter_token_patches(loaded, prompt, plan.spec, should_stop, plan)
+        steps = []
+        for step in iter_token_patches(loaded, prompt, plan.spec, should_stop, plan):
+            steps.append(step)
+            yield step
+        if plan.spec.analyze and steps and not should_stop():
+            from ..core.analysis import analysis_section
+
+            # here, not on the GUI thread: the geometry of 20 demo tokens takes 1-2 s
+            progress("Analysing the run's patches…", len(steps), len(steps))
+            yield AnalysisReady(len(steps), analysis_section(steps, plan.spec.analyze))
 
     return job
+
+
+@dataclass(frozen=True)
+class AnalysisReady:
+    """A finished run's analyses (`core.analysis.analysis_section`), computed on the worker."""
+
+    steps: int  # how many steps they cover
+    section: dict[str, Any] | None
 
 
 @dataclass(frozen=True)

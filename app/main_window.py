@@ -329,6 +329,7 @@ class MainWindow(QMainWindow):
         worker.session_loaded.connect(self.files.on_session_loaded)
         worker.knockout_ready.connect(self._on_knockout)
         worker.dynamics_ready.connect(self._on_dynamics)
+        worker.analysis_ready.connect(self.files.set_analysis)
         worker.run_started.connect(self._on_run_started)
         worker.token_done.connect(self.state.add_step)
         worker.progress.connect(self._on_progress)

@@ -119,9 +119,15 @@ class WindowFiles:
         return record_of(started.model, started.prompt, spec, self._state.steps,
                          started.plan or None, self._state.wall, self._analysis(spec))
 
+    def set_analysis(self, ready: Any) -> None:
+        """The running run's analyses, computed on the worker (`app.jobs.AnalysisReady`): the
+        record of the run uses them (`_analysis`), so the GUI thread does not compute them."""
+        self._analysis_cache = (self._state.started, ready.steps, ready.section)
+
     def _analysis(self, spec: Any) -> dict[str, Any] | None:
-        """The shown run's analyses (`core.analysis.analysis_section`), computed once per run
-        and length: exports, the run list and the analysis tabs all ask for the record."""
+        """The shown run's analyses (`core.analysis.analysis_section`), once per run and
+        length: exports, the run list and the analysis tabs all ask for the record. A finished
+        run's come from the worker (`set_analysis`); a cancelled run's are computed here."""
         if not spec.analyze:
             return None
         started, n = self._state.started, len(self._state.steps)

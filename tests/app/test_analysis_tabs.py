@@ -244,7 +244,20 @@ def test_without_the_analyses_each_tab_says_how_to_get_it(
 
 
 def test_the_analyses_reach_the_run_fill_the_tabs_and_are_saved(
-        qtbot: Any, keep: Any, settings: Any, tiny_model_dir: str, tmp_path: Path) -> None:
+        qtbot: Any, keep: Any, settings: Any, tiny_model_dir: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import ctxpatch.core.analysis as analysis
+
+    threads: list[bool] = []  # per call of analysis_section: on the GUI (main) thread?
+    real = analysis.analysis_section
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread() is threading.main_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(analysis, "analysis_section", watched)
     w = open_window(keep, settings, tiny_model_dir, "Alice lives in Paris.",
                     "Where does Alice live?", tokens=2)
     assert not any(box.isChecked() for box in w.model_panel.analyses.values())  # off by default
@@ -255,6 +268,7 @@ def test_the_analyses_reach_the_run_fill_the_tabs_and_are_saved(
     assert sorted(w.state.started.settings["analyze"]) == ["geometry", "lens"]  # the RunSpec's
     record = w.current_record()
     assert set(record["analysis"]) == {"lens", "geometry"}
+    assert threads == [False]  # computed once, on the worker: never on the GUI thread
     assert w.lens.grid.rowCount() == 4 and w.lens.grid.columnCount() == 2
     assert w.lens.cell(0, 0).text() == visible(_total(record, 0, 0)["promoted"][0][0])
     assert w.geometry.selected_name() in record["analysis"]["geometry"]["params"]
