@@ -166,9 +166,9 @@ class QtDynamicsPanel(QWidget):
         self.splitter = QSplitter()
         self.splitter.addWidget(left)
         self.splitter.addWidget(self.graphics)
-        self.splitter.setStretchFactor(0, 2)
-        self.splitter.setStretchFactor(1, 3)
-        self.splitter.setSizes([400, 600])
+        self.splitter.setStretchFactor(0, 1)
+        self.splitter.setStretchFactor(1, 2)
+        self.splitter.setSizes([330, 670])
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addLayout(top)
@@ -194,8 +194,7 @@ class QtDynamicsPanel(QWidget):
         self.heat = g.addPlot(row=0, col=0, axisItems={"bottom": TokenAxis("bottom"),
                                                        "left": TokenAxis("left")})
         self.heat.setLabel("left", "layer")
-        self.heat.setTitle("share of each layer's increments per context token "
-                           "(each row sums to 100%)")
+        self.heat.setTitle("each layer's increments as shares (a row sums to 100%)")
         self.heat.setMenuEnabled(False)
         self.heat.setMouseEnabled(False, False)
         self.heat.hideButtons()
@@ -354,8 +353,8 @@ class QtDynamicsPanel(QWidget):
         self.increment_curve.setData(np.arange(1, n + 1, dtype=float), view["increment"])
         where = "summed over layers" if self._row() is None else self.layer.currentText()
         colours = series_colors(self.palette())
-        self.curves.setTitle(f"<span style='color:{colours['patched']}'>● patch |P<sub>i</sub>|"
-                             f"</span> and <span style='color:{colours['control']}'>■ increment "
+        self.curves.setTitle(f"<span style='color:{colours['patched']}'>● |P<sub>i</sub>|</span>"
+                             f" and <span style='color:{colours['control']}'>■ increment "
                              f"|P<sub>i</sub> − P<sub>i−1</sub>|</span>, {where}")
         lens = view["lens"]
         keep = np.isfinite(lens)
@@ -363,8 +362,7 @@ class QtDynamicsPanel(QWidget):
         colours = [series_colors(self.palette())["mismatch"] if v > 0 else
                    series_colors(self.palette())["patched"] for v in lens[keep]]
         self.lens_bars.setOpts(x=x, height=lens[keep], brushes=colours, pens=colours)
-        self.lens_plot.setTitle(f"each token's lens logit for the answer "
-                                f"{visible(d.answer[1])!r}, {where}")
+        self.lens_plot.setTitle(f"lens logit for the answer {visible(d.answer[1])!r}, {where}")
         self.lens_plot.getAxis("bottom").labels = list(d.context_tokens)
         self.lens_plot.getAxis("bottom").picture = None  # (redrawn with the new labels)
         self.heat.setXRange(0, n + 0.5, padding=0)
