@@ -134,10 +134,8 @@ def _part_html(p: dict[str, Any] | None, part: str) -> str:
         return f"<td valign='top'><b>{name}</b><br><i>{html.escape(why)}</i></td>"
 
     def rows(items: list[list[Any]]) -> str:
-        # (never broken inside a word: a long token widens its column, and the view scrolls)
-        return "".join(f"<tr><td nowrap>{html.escape(visible(str(t)))}</td>"
-                       f"<td nowrap align='right'>{_number(v)}</td></tr>"
-                       for t, v, *_ in items)
+        return "".join(f"<tr><td>{html.escape(visible(str(t)))}</td>"
+                       f"<td align='right'>{_number(v)}</td></tr>" for t, v, *_ in items)
 
     return (f"<td valign='top'><b>{name}</b><br>emitted {_number(p.get('emitted'))}"
             f"<table cellspacing='0' cellpadding='1'><tr><td colspan='2'><u>promoted</u></td>"
