@@ -93,7 +93,8 @@ def test_the_colours_order_tokens_as_the_shares(panel: QtDynamicsPanel,
     assert text == "".join(record["context_tokens"])
 
 
-def test_the_plots_hold_the_record(panel: QtDynamicsPanel, record: dict[str, Any]) -> None:
+def test_the_plots_hold_the_record(qtbot: Any, panel: QtDynamicsPanel,
+                                   record: dict[str, Any]) -> None:
     layers = sorted(record["layers"], key=int)
     rows = np.array([record["layers"][k]["increment"] for k in layers])
     np.testing.assert_allclose(panel.heatmap(), rows / rows.sum(1, keepdims=True), rtol=1e-9)
@@ -107,8 +108,11 @@ def test_the_plots_hold_the_record(panel: QtDynamicsPanel, record: dict[str, Any
     np.testing.assert_allclose(panel.lens_bars.opts["height"],
                                record["layers"][layers[-1]]["lens_logit_increment"])
     assert f"{record['layers'][layers[0]]['increment'][1]:.4g}" in panel.cell_text(0, 1)
-    panel.step_layer(-1)  # ([ and ]: the previous layer)
+    panel.text.setFocus()
+    qtbot.keyClick(panel.text, Qt.Key.Key_BracketLeft)  # [: the previous layer
     assert panel.layer.currentText() == f"layer {layers[-2]}"
+    qtbot.keyClick(panel.text, Qt.Key.Key_C)  # C: the other colouring
+    assert panel.colouring.currentIndex() == 1
     panel.select(2)
     assert all(line.isVisible() and line.value() == 3 for line in panel.cursors)
     panel.set_record(None)
@@ -146,11 +150,15 @@ def test_the_window_runs_cancels_and_keeps_it(qtbot: Any, keep: Any, settings: A
                                               tiny_model_dir: str, tmp_path: Path) -> None:
     from ctxpatch.core.dynamics import dynamics
     from ctxpatch.core.spec import RunSpec
+    from PySide6.QtGui import QAction, QKeySequence
 
     w = open_window(keep, settings, tiny_model_dir, "", QUERY)
+    actions = {a.shortcut().toString(): a for a in w.findChildren(QAction)}
+    actions[QKeySequence("Ctrl+6").toString()].trigger()  # View > Context dynamics
+    assert w.tabs.currentWidget() is w.dynamics
     created: list[Any] = []
     w.worker_created.connect(created.append)
-    w.run_dynamics()  # each refusal: one line, nothing started
+    actions[QKeySequence("Ctrl+D").toString()].trigger()  # each refusal: one line, no job
     assert created == [] and "context is empty" in w.last_error
     w.input_panel.context.setPlainText(CONTEXT)
     w.run_dynamics()
