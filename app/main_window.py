@@ -352,8 +352,8 @@ class MainWindow(QMainWindow):
         if total > 0:
             self.progress.setRange(0, total)
             self.progress.setValue(done)
-        if self._kind in ("load", "session", "dynamics"):
-            self.status_label.setText(message)
+        if self._kind in ("load", "session", "dynamics") or (self._kind == "run" and message):
+            self.status_label.setText(message)  # (a run's: its analyses, after its tokens)
 
     def _on_loaded(self, ready: ModelReady) -> None:
         self.model = ready

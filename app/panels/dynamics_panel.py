@@ -96,6 +96,18 @@ class ContextAxis(TokenAxis):
         return out
 
 
+class LayerAxis(TokenAxis):
+    """The heatmap's layer axis: rows 0..L-1 labelled with their layers, as many as fit."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.layers: list[int] = []
+
+    def tickStrings(self, values: list[float], scale: float, spacing: float) -> list[str]:  # noqa: N802
+        rows = [int(round(v)) for v in values]
+        return [str(self.layers[i]) if 0 <= i < len(self.layers) else "" for i in rows]
+
+
 class _ShareScale(QtColorScale):
     """The share colouring's scale: 0 .. the largest share, as percentages."""
 
@@ -192,7 +204,7 @@ class QtDynamicsPanel(QWidget):
     def _build_plots(self) -> None:
         g = self.graphics
         self.heat = g.addPlot(row=0, col=0, axisItems={"bottom": TokenAxis("bottom"),
-                                                       "left": TokenAxis("left")})
+                                                       "left": LayerAxis("left")})
         self.heat.setLabel("left", "layer")
         self.heat.setTitle("each layer's increments as shares (a row sums to 100%)")
         self.heat.setMenuEnabled(False)
@@ -336,9 +348,8 @@ class QtDynamicsPanel(QWidget):
         self.image.setImage(100 * shares, autoLevels=False, levels=(0.0, 100 * top))
         self.bar.setLevels((0.0, 100 * top))
         self.image.setRect(QRectF(0.5, -0.5, n, rows))
-        every = max(1, -(-rows // 12))
-        self.heat.getAxis("left").setTicks(
-            [[(i, str(layer)) for i, layer in enumerate(d.layers) if i % every == 0]])
+        self.heat.getAxis("left").layers = list(d.layers)  # (labels as many as the height holds)
+        self.heat.getAxis("left").picture = None
         self.heat.vb.setLimits(xMin=0, xMax=n + 1)
         self.heat.setXRange(0, n + 0.5, padding=0)
         self.heat.setYRange(-0.5, rows - 0.5, padding=0)
