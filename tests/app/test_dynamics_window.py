@@ -161,11 +161,20 @@ def test_the_window_runs_cancels_and_keeps_it(qtbot: Any, keep: Any, settings: A
     actions[QKeySequence("Ctrl+D").toString()].trigger()  # each refusal: one line, no job
     assert created == [] and "context is empty" in w.last_error
     w.input_panel.context.setPlainText(CONTEXT)
+    w.input_panel.image_path = "cat.png"  # (as if a picture had been added)
+    w.run_dynamics()
+    assert created == [] and "remove the picture" in w.last_error
+    w.input_panel.image_path = ""
     w.run_dynamics()
     assert created == [] and "no model loaded" in w.last_error and "\n" not in w.last_error
     w.model_panel.dtype.setCurrentText("float64")
     w.load_model()
     qtbot.waitUntil(lambda: not w.busy and w.model is not None, timeout=60_000)
+    w.model_panel.dtype.setCurrentText("float32")  # another precision chosen than loaded
+    created.clear()
+    w.run_dynamics()
+    assert created == [] and "not the one chosen" in w.last_error
+    w.model_panel.dtype.setCurrentText("float64")
     w.run_dynamics()
     assert w.tabs.currentWidget() is w.dynamics
     qtbot.waitUntil(lambda: not w.busy, timeout=120_000)
