@@ -207,6 +207,9 @@ def _dynamics_parser(sub: Any) -> None:
     spec.add_arguments(p, OPTIONS)
     out = p.add_argument_group("outputs")
     out.add_argument("--json", metavar="FILE", help="the dynamics as JSON ('-' for stdout)")
+    out.add_argument("--report", metavar="FILE",
+                     help="HTML report (PDF when FILE ends in .pdf); its figures also go to "
+                          "FILE's name + '_plots/' as PNG and SVG")
     out.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
@@ -218,13 +221,22 @@ def run_dynamics(args: argparse.Namespace) -> int:
     say = _Progress(args.quiet)
     run = spec.from_namespace(args)
     prepare(run)
-    check_outputs({"--json": args.json}, _inputs(args), text=("--json",))
+    check_outputs({"--json": args.json, "--report": args.report}, _inputs(args),
+                  text=("--json",))
+    check_report(args.report, _inputs(args))
     loaded = _load(run, say)
     result = dynamics(loaded, run, lambda done, total: say("context prefix", done, total))
     if args.json == STDOUT:
         sys.stdout.write(json_text(result.to_dict()))
     elif args.json:
         write_json(args.json, result.to_dict())
+    if args.report:  # last: the JSON above is safe whatever happens to the report
+        from .report import write_dynamics_report
+
+        report = Path(args.report)
+        write_dynamics_report(result.to_dict(), report,
+                              report.with_name(f"{report.stem}_plots"), _inputs(args))
+        say(f"wrote the report {report} and its plots in {report.stem}_plots/")
     for line in summary_lines(result):  # (on stderr when stdout carries the JSON)
         if args.json == STDOUT:
             say(line)

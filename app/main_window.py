@@ -29,8 +29,19 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from .jobs import KnockoutReady, ModelReady, RunStarted, Task, knockout_job, load_job, run_job
+from .jobs import (
+    DynamicsReady,
+    KnockoutReady,
+    ModelReady,
+    RunStarted,
+    Task,
+    dynamics_job,
+    knockout_job,
+    load_job,
+    run_job,
+)
 from .panels.control_panel import QtControlPanel
+from .panels.dynamics_panel import QtDynamicsPanel
 from .panels.generation_panel import QtGenerationPanel, plural
 from .panels.geometry_panel import QtGeometryPanel
 from .panels.history_panel import QtHistoryPanel
@@ -134,6 +145,7 @@ class MainWindow(QMainWindow):
         self.lens = QtLensPanel()  # (both filled from the finished run's record: `_on_state`)
         self.geometry = QtGeometryPanel()
         self.transfer = QtTransferPanel()
+        self.dynamics = QtDynamicsPanel()  # (run on demand: `run_dynamics`)
         self.banner = Banner()
         self.notice = Banner(action="Restore", colour="#1565c0")
         self.history_panel = QtHistoryPanel()
@@ -144,7 +156,8 @@ class MainWindow(QMainWindow):
             history_panel=self.history_panel, plots=self.plots, banner=self.banner,
             notice=self.notice, say=self.status_label.setText, show_error=self.show_error,
             running=lambda: self.job_kind, start=self._start,
-            session_opened=self.session_opened.emit, reads=self.reads, persistent=persistent)
+            session_opened=self.session_opened.emit, reads=self.reads, persistent=persistent,
+            dynamics=self.dynamics)
         self._build_actions()
 
         self.model_panel.load_requested.connect(self.load_model)
@@ -155,6 +168,7 @@ class MainWindow(QMainWindow):
         self.history_panel.chosen.connect(self.files.show_run)
         self.plots.overlay.toggled.connect(lambda _: self.files.update_overlays())
         self.lens.knockout_requested.connect(lambda step: self.knockout(step))
+        self.dynamics.run_requested.connect(self.run_dynamics)
         self.state.subscribe(self._on_state)
 
         if persistent:
@@ -185,6 +199,7 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.controls, "Controllability")
         self.tabs.addTab(self.lens, "Context lens")
         self.tabs.addTab(self.geometry, "Geometry")
+        self.tabs.addTab(self.dynamics, "Dynamics")
         self.tabs.addTab(self.transfer, "Transfer")
         right = QSplitter(Qt.Orientation.Vertical)
         top = QWidget()
@@ -252,6 +267,8 @@ class MainWindow(QMainWindow):
         self._action(run, "&Load model", "Ctrl+L", self.load_model)
         self._action(run, "&Knock out layers at the lens's token", "Ctrl+K",
                      lambda: self.knockout())
+        self._action(run, "Context &dynamics (the context read token by token)", "Ctrl+D",
+                     self.run_dynamics)
         view = bar.addMenu("&View")
         self._action(view, "&Previous token", "Alt+Left", lambda: self._step_selection(-1))
         self._action(view, "&Next token", "Alt+Right", lambda: self._step_selection(+1))
@@ -260,6 +277,8 @@ class MainWindow(QMainWindow):
         self._action(view, "&Controllability", "Ctrl+3", lambda: self.tabs.setCurrentIndex(2))
         self._action(view, "Context &lens", "Ctrl+4", lambda: self.tabs.setCurrentIndex(3))
         self._action(view, "&Geometry", "Ctrl+5", lambda: self.tabs.setCurrentIndex(4))
+        self._action(view, "Context &dynamics", "Ctrl+6",
+                     lambda: self.tabs.setCurrentWidget(self.dynamics))
         self._action(view, "&Transfer", "Ctrl+7",
                      lambda: self.tabs.setCurrentWidget(self.transfer))
         help_menu = bar.addMenu("&Help")
@@ -322,6 +341,8 @@ class MainWindow(QMainWindow):
         worker.session_loaded.connect(self.files.on_session_loaded)
         worker.knockout_ready.connect(self._on_knockout)
         worker.transfer_ready.connect(lambda ready: self.state.set_transfer(ready.section))
+        worker.dynamics_ready.connect(self._on_dynamics)
+        worker.analysis_ready.connect(self.files.set_analysis)
         worker.run_started.connect(self._on_run_started)
         worker.token_done.connect(self.state.add_step)
         worker.progress.connect(self._on_progress)
@@ -344,7 +365,7 @@ class MainWindow(QMainWindow):
         if total > 0:
             self.progress.setRange(0, total)
             self.progress.setValue(done)
-        if self._kind in ("load", "session") or message:  # (a run's only: its transfer's)
+        if self._kind in ("load", "session", "dynamics") or message:  # (a run's: its analyses')
             self.status_label.setText(message)
 
     def _on_loaded(self, ready: ModelReady) -> None:
@@ -381,6 +402,13 @@ class MainWindow(QMainWindow):
         self.progress.hide()
         if kind == "session":
             self.files.on_session_job_finished(outcome)
+            return
+        if kind == "dynamics":
+            self.status_label.setText({"completed": "Context dynamics done",
+                                       "cancelled": "Context dynamics cancelled; the tab is "
+                                                    "unchanged"}.get(
+                                           outcome, "Context dynamics failed (see the message "
+                                                    "above)"))
             return
         if kind == "knockout":
             self.status_label.setText({"completed": "Knock-out done",
@@ -439,6 +467,46 @@ class MainWindow(QMainWindow):
 
     def _on_knockout(self, ready: KnockoutReady) -> None:
         self.lens.set_knockout(ready.result)
+
+    def dynamics_problem(self) -> str | None:
+        """Why the context dynamics cannot run now, in one line (None: it can)."""
+        if self.busy:
+            return "Dynamics: wait for the current job to end, or cancel it (Esc)"
+        if self.input_panel.image_path:
+            return ("Dynamics reads a text context token by token: remove the picture from the "
+                    "context to run it")
+        if not self.input_panel.values()["context"].strip():
+            return ("Dynamics: the context is empty: type a context (it is read token by token, "
+                    "the query fixed)")
+        if self.model is None:
+            return "Dynamics: no model loaded: load one (Ctrl+L), then press Ctrl+D again"
+        if self.model.key != self.model_panel.key():
+            return ("Dynamics: the model loaded is not the one chosen: load it (Ctrl+L), then "
+                    "press Ctrl+D again")
+        return None
+
+    def run_dynamics(self) -> None:
+        """The context dynamics of the window's context, query, model and options, on the
+        worker (`app.jobs.dynamics_job`); the Dynamics tab shows it when it ends."""
+        from ..core.dynamics import OPTIONS
+
+        problem = self.dynamics_problem()
+        if problem is not None:
+            self.show_error(problem)
+            return
+        assert self.model is not None
+        self.banner.hide()
+        inputs = self.input_panel.values()
+        options = {**self.model_panel.spec_options(), "context": inputs["context"],
+                   "query": inputs["query"], "chat_template": inputs["chat_template"]}
+        self.tabs.setCurrentWidget(self.dynamics)
+        self._start(dynamics_job(self.model, {k: v for k, v in options.items()
+                                              if k in OPTIONS}),
+                    "dynamics", "Dynamics: reading the context…")
+
+    def _on_dynamics(self, ready: DynamicsReady) -> None:
+        self.dynamics.set_record(ready.record)
+        self.files.remember_dynamics()
 
     def _report_run(self, outcome: str) -> None:
         s = self.state.summary()

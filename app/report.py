@@ -25,6 +25,7 @@ from ..core.record import RunRecord
 from .jobs import RunStarted
 from .panels.generation_panel import COLORS, token_html
 from .report_analysis import analysis_html, analysis_images
+from .report_dynamics import dynamics_html, dynamics_images
 from .report_print import keep_with_next
 from .state import RunState
 
@@ -408,10 +409,11 @@ def _settings_table(settings: dict[str, Any]) -> str:
             f"<th>meaning</th></tr></thead>{rows}</table>")
 
 
-def report_html(run: RunRecord, images: dict[str, str], screen: bool = True) -> str:
+def report_html(run: RunRecord, images: dict[str, str], screen: bool = True,
+                dynamics: dict[str, Any] | None = None) -> str:
     """The report's HTML; ``images`` maps each plot name (and the context image's thumbnail,
     `THUMBNAIL`) to its ``src`` (data URI or file); ``screen``: for a browser (the PDF's page
-    has its own margins)."""
+    has its own margins); ``dynamics``: a context-dynamics record, its section at the end."""
     summary = run.record.get("summary", {})
     p, c = summary.get("patched") or {}, summary.get("control") or {}
     n = summary.get("tokens", len(run.steps))
@@ -466,7 +468,32 @@ patches. Made by ctxpatch {_esc(__version__)} on
 parameter, the norm of its patch per layer and token (log10) and one token's per-layer profile:
 the token selected in the window when it wrote the report, else the last.</p>
 {plots}
-{analysis_html(run.record.get("analysis"), images, run.record)}</body></html>
+{analysis_html(run.record.get("analysis"), images, run.record)}
+{dynamics_html(dynamics, images)}</body></html>
+"""
+
+
+def dynamics_report_html(record: dict[str, Any], images: dict[str, str],
+                         screen: bool = True) -> str:
+    """The report of a context-dynamics run alone (``ctxpatch dynamics --report``): its model,
+    settings and context, then the "Context dynamics" section."""
+    settings = {k: v for k, v in (record.get("settings") or {}).items()}
+    model = record.get("model") or {}
+    return f"""<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>ctxpatch report: context dynamics</title>
+<style>{STYLE}{SCREEN_STYLE if screen else ""}</style></head><body>
+<h1>ctxpatch report: context dynamics</h1>
+<p>Context and parameter updates (Goldwaser et al., arXiv 2511.17864): the context's effect on
+the model rewritten as exact token-specific weight patches, here followed as the context is read
+token by token. Made by ctxpatch {_esc(__version__)} on
+{_esc(datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC'))}.</p>
+{"<h2>Model</h2>" + _table([(k, v) for k, v in model.items()]) if model else ""}
+<h2>Settings</h2>
+{_settings_table(settings)}
+<h2>Prompt</h2>
+{_table([("context", settings.get("context", "")), ("query", settings.get("query", ""))],
+        ("segment", "text"))}
+{dynamics_html(record, images)}</body></html>
 """
 
 
@@ -475,11 +502,12 @@ def _data_uri(png: bytes) -> str:
 
 
 def write_report(run: RunRecord, path: str | Path, plot_dir: str | Path | None = None,
-                 inputs: Sequence[str | None] = (), selected: int | None = None) -> list[Path]:
+                 inputs: Sequence[str | None] = (), selected: int | None = None,
+                 dynamics: dict[str, Any] | None = None) -> list[Path]:
     """Write the report as HTML, or PDF when ``path`` ends in .pdf; with ``plot_dir``, also
     every plot as PNG and SVG there; ``selected``: the token whose per-layer profiles the
-    patch-norm figures draw (the window's selection; default the last). Returns the files
-    written.
+    patch-norm figures draw (the window's selection; default the last); with ``dynamics`` (a
+    context-dynamics record), its section and figures too. Returns the files written.
 
     Everything is made first in temporaries beside the report, then moved into place; Ctrl+C
     and SIGTERM wait until the report is whole (`core.export.signals_held`: the seconds of its
@@ -494,13 +522,44 @@ def write_report(run: RunRecord, path: str | Path, plot_dir: str | Path | None =
         raise UserError(f"cannot write {path}: folder {parent} does not exist")
     check_report(str(path), inputs)
     with signals_held():  # (the drawing too: an exception cannot leave a Qt paint override)
-        return _write_report(run, path, parent, plot_dir, selected)
+        images = plot_images(run, selected)
+        images.update(dynamics_images(dynamics, _png, _svg, FIGURE_PT))
+        return _write_report(path, parent, plot_dir, images, thumbnail(run),
+                             lambda srcs, screen: report_html(run, srcs, screen, dynamics))
 
 
-def _write_report(run: RunRecord, path: Path, parent: Path,
-                  plot_dir: str | Path | None, selected: int | None = None) -> list[Path]:
-    images = plot_images(run, selected)
-    thumb = thumbnail(run)
+def write_dynamics_report(record: dict[str, Any], path: str | Path,
+                          plot_dir: str | Path | None = None,
+                          inputs: Sequence[str | None] = ()) -> list[Path]:
+    """Write the report of a context-dynamics record (`core.dynamics.Dynamics.to_dict`) alone,
+    as `write_report` writes a run's: HTML or PDF, the figures as PNG and SVG in ``plot_dir``,
+    staged and moved into place with the signals held.
+
+    Raises:
+        UserError: the path cannot be written or names an input, or the record is damaged.
+    """
+    from ..core.dynamics_record import check_dynamics
+    from ..core.export import signals_held
+    from ..core.outputs import check_report
+
+    check_dynamics(record)
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UserError(f"cannot write {path}: folder {parent} does not exist")
+    check_report(str(path), inputs)
+    with signals_held():
+        ensure_app()
+        images = dynamics_images(record, _png, _svg, FIGURE_PT)
+        return _write_report(path, parent, plot_dir, images, None,
+                             lambda srcs, screen: dynamics_report_html(record, srcs, screen))
+
+
+def _write_report(path: Path, parent: Path, plot_dir: str | Path | None,
+                  images: dict[str, tuple[bytes, bytes]], thumb: bytes | None,
+                  html_of: Callable[[dict[str, str], bool], str]) -> list[Path]:
+    """Stage the plots and the report (``html_of(image sources, screen)``) beside ``path``,
+    then move them into place (`_commit`)."""
     try:
         staged = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent))
     except OSError as exc:
@@ -518,12 +577,12 @@ def _write_report(run: RunRecord, path: Path, parent: Path,
                     (staged / "plots" / plots[-1]).write_bytes(data)
         body = staged / "report"
         if path.suffix.lower() == ".pdf":
-            _write_pdf(run, images, str(body), thumb)
+            _write_pdf(html_of, images, str(body), thumb)
         else:
             uris = {name: _data_uri(png) for name, (png, _) in images.items()}
             if thumb is not None:
                 uris[THUMBNAIL] = _data_uri(thumb)
-            body.write_text(report_html(run, uris), encoding="utf-8", newline="")
+            body.write_text(html_of(uris, True), encoding="utf-8", newline="")
         _commit(staged, folder, plots, path)
     except OSError as exc:
         raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
@@ -562,10 +621,11 @@ def _commit(staged: Path, folder: Path | None, plots: Sequence[str], path: Path)
         raise
 
 
-def report_document(run: RunRecord, images: dict[str, tuple[bytes, bytes]],
-                    thumb: bytes | None = None) -> Any:
+def report_document(run: RunRecord | Callable[[dict[str, str], bool], str],
+                    images: dict[str, tuple[bytes, bytes]], thumb: bytes | None = None) -> Any:
     """The report as a QTextDocument, the plots (and the context image's thumbnail) as its
-    image resources (for PDF and pages)."""
+    image resources (for PDF and pages); ``run``: a run, or the function that writes the HTML
+    from the images' sources (``html_of(sources, screen)``)."""
     from PySide6.QtCore import QUrl
     from PySide6.QtGui import QImage, QTextDocument
 
@@ -577,11 +637,14 @@ def report_document(run: RunRecord, images: dict[str, tuple[bytes, bytes]],
     for name, png in pngs.items():
         doc.addResource(QTextDocument.ResourceType.ImageResource, QUrl(f"{name}.png"),
                         QImage.fromData(png, "PNG"))
-    doc.setHtml(report_html(run, {name: f"{name}.png" for name in pngs}, screen=False))
+    html_of = run if callable(run) else (
+        lambda srcs, screen: report_html(run, srcs, screen))  # type: ignore[arg-type]
+    doc.setHtml(html_of({name: f"{name}.png" for name in pngs}, False))
     return doc
 
 
-def _write_pdf(run: RunRecord, images: dict[str, tuple[bytes, bytes]], path: str,
+def _write_pdf(run: RunRecord | Callable[[dict[str, str], bool], str],
+               images: dict[str, tuple[bytes, bytes]], path: str,
                thumb: bytes | None = None) -> None:
     """Qt's own PDF writer renders the same HTML (QTextDocument), plots as image resources."""
     from PySide6.QtCore import QMarginsF

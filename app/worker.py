@@ -1,11 +1,12 @@
 """The one worker thread: it drives a job (see `app.jobs`) and forwards what it yields.
 
 Signals carry plain data (STYLE.md 3-4): ``run_started(RunStarted)``, ``token_done(StepResult)``,
-``loaded(ModelReady)``, ``session_loaded(SessionReady)``, ``transfer_ready(TransferReady)``,
-``progress(message, done, total)``; the job then ends with exactly one of ``completed()``,
-``cancelled()`` or ``failed(message)``, and QThread's own ``finished()`` follows. Cancel is
-cooperative: `requestInterruption()` is the job's ``should_stop`` (core checks it between layers
-and tokens); the thread is never terminated.
+``loaded(ModelReady)``, ``session_loaded(SessionReady)``, ``knockout_ready(KnockoutReady)``,
+``dynamics_ready(DynamicsReady)``, ``transfer_ready(TransferReady)``,
+``analysis_ready(AnalysisReady)``, ``progress(message, done, total)``; the job then ends with
+exactly one of ``completed()``, ``cancelled()`` or ``failed(message)``, and QThread's own
+``finished()`` follows. Cancel is cooperative: `requestInterruption()` is the job's
+``should_stop`` (core checks it between layers and tokens); the thread is never terminated.
 """
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ import traceback
 from PySide6.QtCore import QObject, QThread, Signal
 
 from ..core.errors import Cancelled, UserError
-from .jobs import KnockoutReady, ModelReady, RunStarted, SessionReady, Task, TransferReady
+from .jobs import (
+    AnalysisReady,
+    DynamicsReady,
+    KnockoutReady,
+    ModelReady,
+    RunStarted,
+    SessionReady,
+    Task,
+    TransferReady,
+)
 
 log = logging.getLogger("ctxpatch")
 
@@ -28,6 +38,8 @@ class Worker(QThread):
     session_loaded = Signal(object)
     knockout_ready = Signal(object)
     transfer_ready = Signal(object)
+    dynamics_ready = Signal(object)
+    analysis_ready = Signal(object)
     progress = Signal(str, int, int)
     completed = Signal()
     cancelled = Signal()
@@ -48,6 +60,10 @@ class Worker(QThread):
             self.knockout_ready.emit(item)
         elif isinstance(item, TransferReady):
             self.transfer_ready.emit(item)
+        elif isinstance(item, DynamicsReady):
+            self.dynamics_ready.emit(item)
+        elif isinstance(item, AnalysisReady):
+            self.analysis_ready.emit(item)
         else:
             self.token_done.emit(item)
 

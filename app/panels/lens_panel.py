@@ -38,6 +38,7 @@ from PySide6.QtGui import (
     QPainter,
     QPaintEvent,
     QPen,
+    QTextOption,
 )
 from PySide6.QtWidgets import (
     QAbstractItemView,
@@ -240,6 +241,9 @@ class QtLensPanel(QWidget):
         caption.setWordWrap(True)
         self.details = QTextBrowser()
         self.details.setOpenLinks(False)
+        # words are never broken (Qt's default breaks them anywhere when a column is narrow:
+        # "internatio|nalization"); a list wider than the view scrolls
+        self.details.setWordWrapMode(QTextOption.WrapMode.WordWrap)
         self.graphics = pg.GraphicsLayoutWidget()
         self.bars = self.graphics.addPlot(row=0, col=0, axisItems={"bottom": TokenAxis("bottom")})
         self.bars.setLabel("bottom", "layer")
