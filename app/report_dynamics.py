@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..core.dynamics import SHRINKING, Dynamics, trend
-from .report_analysis import _style_bar, _text_ticks, token_label
+from .report_analysis import token_label
 
 HEATMAP_SIZE = (670, 360)
 CURVES_SIZE = (670, 300)
@@ -55,8 +55,9 @@ class _Figures:
         import pyqtgraph as pg
         from PySide6.QtCore import Qt
 
+        from .panels.heatmap import LabelAxis
         from .panels.plots_panel import TokenAxis
-        from .theme import series_colors, style_graphics
+        from .theme import series_colors, style_bar, style_graphics
 
         def widget(size: tuple[int, int]) -> Any:
             g = pg.GraphicsLayoutWidget()
@@ -66,8 +67,8 @@ class _Figures:
 
         self.point_size = point_size
         self.heat_graphics = widget(HEATMAP_SIZE)
-        self.heat = self.heat_graphics.addPlot(row=0, col=0,
-                                               axisItems={"left": TokenAxis("left")})
+        self.heat = self.heat_graphics.addPlot(row=0, col=0, axisItems={
+            "left": TokenAxis("left"), "bottom": LabelAxis("bottom")})
         self.heat.setLabel("bottom", "context token")
         self.heat.setLabel("left", "layer")
         self.image = pg.ImageItem(axisOrder="row-major")
@@ -86,7 +87,8 @@ class _Figures:
         self.increments.setLabel("bottom", "context token i")
         self.increments.setLabel("left", "|P_l,i − P_l,i−1|")
         self.lens_graphics = widget(LENS_SIZE)
-        self.lens = self.lens_graphics.addPlot(row=0, col=0)
+        self.lens = self.lens_graphics.addPlot(row=0, col=0,
+                                               axisItems={"bottom": LabelAxis("bottom")})
         self.lens.setLabel("bottom", "context token")
         self.lens.setLabel("left", "lens logit")
         self.lens_bars = pg.BarGraphItem(x=[], height=[], width=0.7)
@@ -102,7 +104,7 @@ class _Figures:
                          (self.curve_graphics, [self.norms, self.increments]),
                          (self.lens_graphics, [self.lens])):
             style_graphics(g, plots, g.palette(), point_size)
-        _style_bar(self.bar, self.heat_graphics.palette(), point_size)
+        style_bar(self.bar, self.heat_graphics.palette(), point_size)
         self.colours = series_colors(self.heat_graphics.palette())
 
     def draw(self, d: Dynamics) -> dict[str, Any]:
@@ -146,9 +148,8 @@ class _Figures:
         for g in (self.heat_graphics, self.curve_graphics, self.lens_graphics):
             g.show()
         QApplication.processEvents()  # laid out: the axes' widths are known
-        for plot in (self.heat, self.lens):
-            axis = plot.getAxis("bottom")
-            axis.setTicks([_text_ticks(axis, labels, plot.vb.width())])
+        for plot in (self.heat, self.lens):  # (every k-th token, as the room allows)
+            plot.getAxis("bottom").set_labels(dict(enumerate(labels, 1)))
         QApplication.processEvents()
         return {INCREMENTS: self.heat_graphics, CURVES: self.curve_graphics,
                 LENS: self.lens_graphics}

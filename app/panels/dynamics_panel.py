@@ -40,8 +40,8 @@ from PySide6.QtWidgets import (
 )
 
 from ...core.dynamics import SHRINKING, Dynamics, trend
-from ..report_analysis import _style_bar, token_label
-from ..theme import OKABE_ITO, series_colors, style_graphics
+from ..report_analysis import token_label
+from ..theme import OKABE_ITO, series_colors, style_bar, style_graphics
 from .lens_panel import COLORMAP, QtColorScale, visible
 from .plots_panel import TokenAxis
 
@@ -254,7 +254,7 @@ class QtDynamicsPanel(QWidget):
 
     def _restyle(self) -> None:
         style_graphics(self.graphics, [self.heat, self.curves, self.lens_plot], self.palette())
-        _style_bar(self.bar, self.palette(), self.font().pointSizeF())
+        style_bar(self.bar, self.palette(), self.font().pointSizeF())
 
         colours = series_colors(self.palette())
         for curve, colour in ((self.norm_curve, colours["patched"]),
