@@ -33,6 +33,7 @@ EXAMPLES_BENCH = """examples:
   ctxpatch bench --absorb all --query "Write a single-sentence weather forecast for Mars, from \\
       the perspective of a slightly annoyed robot:" --repeats 5 --json bench.json
   ctxpatch bench --context "Alice lives in Paris." --query "Where?" --scope query --no-memory
+  ctxpatch bench --absorb all --query "Hi" --load 2 --no-memory   # two busy processes beside
 """
 EXAMPLES_REPRODUCE = """examples:
   ctxpatch reproduce                       # the demo model, into ./ctxpatch-reproduction
@@ -59,8 +60,8 @@ EXAMPLES_VERIFY = """examples:
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad option as one line and exit status 2; with
-    ``families_in_help`` its help ends with the supported families, read from the adapter
-    registry only when the help is shown (the registry imports torch)."""
+    ``families_in_help`` its help ends with the supported families (`core.family_names`: the
+    registry's line without importing torch, so that the help takes a fraction of a second)."""
 
     families_in_help = False
 
@@ -72,9 +73,9 @@ class _Parser(argparse.ArgumentParser):
             return super().format_help()
         import textwrap
 
-        from ..core.adapters import supported_families
+        from ..core.family_names import FAMILIES
 
-        families = textwrap.fill("supported families (model types): " + supported_families(),
+        families = textwrap.fill("supported families (model types): " + FAMILIES,
                                  width=100, subsequent_indent="  ", break_on_hyphens=False)
         return super().format_help() + "\n" + families + "\n"
 
@@ -170,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="timed alternations of generate and compare after a warm-up; the "
                             "medians are reported (default 3)")
     bench.add_argument("--no-memory", action="store_true", help="skip the memory children")
+    bench.add_argument("--load", type=int, default=0, metavar="N",
+                       help="time it on a busy machine: N CPU-bound processes run beside the "
+                            "timed runs and stop with them (default 0)")
     repro = sub.add_parser(
         "reproduce", help="the paper's experiments: 5 prompts x {direct, stable} x "
                           "{float32, bfloat16}, absorb all, plus a start-layer sweep; one report",
@@ -206,6 +210,9 @@ def _dynamics_parser(sub: Any) -> None:
     spec.add_arguments(p, OPTIONS)
     out = p.add_argument_group("outputs")
     out.add_argument("--json", metavar="FILE", help="the dynamics as JSON ('-' for stdout)")
+    out.add_argument("--report", metavar="FILE",
+                     help="HTML report (PDF when FILE ends in .pdf); its figures also go to "
+                          "FILE's name + '_plots/' as PNG and SVG")
     out.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
@@ -217,13 +224,22 @@ def run_dynamics(args: argparse.Namespace) -> int:
     say = _Progress(args.quiet)
     run = spec.from_namespace(args)
     prepare(run)
-    check_outputs({"--json": args.json}, _inputs(args), text=("--json",))
+    check_outputs({"--json": args.json, "--report": args.report}, _inputs(args),
+                  text=("--json",))
+    check_report(args.report, _inputs(args))
     loaded = _load(run, say)
     result = dynamics(loaded, run, lambda done, total: say("context prefix", done, total))
     if args.json == STDOUT:
         sys.stdout.write(json_text(result.to_dict()))
     elif args.json:
         write_json(args.json, result.to_dict())
+    if args.report:  # last: the JSON above is safe whatever happens to the report
+        from .report import write_dynamics_report
+
+        report = Path(args.report)
+        write_dynamics_report(result.to_dict(), report,
+                              report.with_name(f"{report.stem}_plots"), _inputs(args))
+        say(f"wrote the report {report} and its plots in {report.stem}_plots/")
     for line in summary_lines(result):  # (on stderr when stdout carries the JSON)
         if args.json == STDOUT:
             say(line)
@@ -299,11 +315,11 @@ def run_compile(args: argparse.Namespace) -> int:
     elif args.json:
         write_json(args.json, record)
     if args.report:  # last: the data above is safe whatever happens to the report
-        from .report import write_report
+        from .report import write_compile_report
 
         report = Path(args.report)
-        write_report(None, report, report.with_name(f"{report.stem}_plots"), _inputs(args),
-                     compiled=record)
+        write_compile_report(record, report, report.with_name(f"{report.stem}_plots"),
+                             _inputs(args))
         say(f"wrote the report {report} and its plots in {report.stem}_plots/")
     if args.json != STDOUT:
         for name in ("train", "held_out"):
@@ -327,11 +343,22 @@ def _kept(x: float | None) -> str:
 class _Progress:
     def __init__(self, quiet: bool) -> None:
         self.quiet = quiet
+        self._staged = (-1, "")  # (the last staged line printed: percent, its step)
 
     def __call__(self, message: str, done: int = 0, total: int = 0) -> None:
-        if not self.quiet:
-            suffix = f" ({done}/{total})" if total else ""
-            print(f"{message}{suffix}", file=sys.stderr, flush=True)
+        from ..core.progress import SCALE
+
+        if self.quiet:
+            return
+        if total == SCALE:  # staged (`core.progress.Stages`): a percentage, every 5% or step
+            percent, step = done * 100 // SCALE, message.split(":", 1)[0]
+            if percent < self._staged[0] + 5 and step == self._staged[1] and percent < 100:
+                return
+            self._staged = (percent, step)
+            print(f"{message} ({percent}%)", file=sys.stderr, flush=True)
+            return
+        suffix = f" ({done}/{total})" if total else ""
+        print(f"{message}{suffix}", file=sys.stderr, flush=True)
 
 
 def _inputs(args: argparse.Namespace, *more: str | None) -> list[str | None]:
@@ -376,7 +403,8 @@ def run_compare(args: argparse.Namespace) -> int:
             f"{'match' if s.patched.match else 'MISMATCH ' + repr(s.patched.text)} "
             f"linf={s.patched.linf:.3g} control linf={s.control.linf:.3g}")
 
-    done = run_comparison(loaded, prompt, run, progress, plan=plan)
+    done = run_comparison(loaded, prompt, run, progress, plan=plan,
+                          transfer_progress=lambda d, t: say("transfer: pass", d, t))
     steps, record = done.steps, done.record
     elapsed = record["summary"]["seconds"]["wall"]
     say(summary_lines(plans, outcome(steps, plans))[-1])
@@ -429,7 +457,7 @@ def run_compare(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     import json
 
-    from ..core.bench import machine, measure_memory, measure_time
+    from ..core.bench import background_load, machine, measure_memory, measure_time
     from ..core.plan import resolve_control_row
     from ..core.prompt import check_prompt
     from ..core.runs import prepare, prompt_of
@@ -437,6 +465,8 @@ def run_bench(args: argparse.Namespace) -> int:
     say = _Progress(args.quiet)
     if args.repeats < 1:
         raise UserError("--repeats must be at least 1")
+    if not 0 <= args.load <= 64:
+        raise UserError("--load must be between 0 and 64 (the busy processes beside the runs)")
     # generate cannot stop at EOS like the comparison would: both always make every token
     run = spec.from_namespace(args, stop_at_eos=False)
     picture = prepare(run) if run.image is not None else None
@@ -447,8 +477,9 @@ def run_bench(args: argparse.Namespace) -> int:
     run = resolve_control_row(loaded, run)  # (the JSON says which control row ran)
     result: dict[str, Any] = {"machine": machine(), "model": run.model, "dtype": run.dtype,
                               "device": str(loaded.device), "settings": run.to_dict(),
-                              "prompt_tokens": len(prompt.full_ids)}
-    result.update(measure_time(loaded, prompt, run, args.repeats, say))
+                              "prompt_tokens": len(prompt.full_ids), "load": args.load}
+    with background_load(args.load):
+        result.update(measure_time(loaded, prompt, run, args.repeats, say))
     print(f"generate {result['generate_s']:.2f} s, compare {result['compare_s']:.2f} s "
           f"(medians of {args.repeats}): time ratio {result['time_ratio']:.2f}, "
           f"{result['syncs_per_token']:.1f} host syncs per token")

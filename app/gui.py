@@ -94,7 +94,8 @@ def missing_xcb_libraries(ldd_output: str | None = None) -> list[str]:
 
 
 def _display_reachable() -> bool:
-    """Whether libxcb connects to ``$DISPLAY`` (Qt aborts the process when it cannot)."""
+    """Whether libxcb connects to ``$DISPLAY`` (Qt aborts the process when it cannot): one
+    connection, about a millisecond on a local display."""
     import ctypes
 
     try:
@@ -112,21 +113,74 @@ def _display_reachable() -> bool:
         xcb.xcb_disconnect(connection)
 
 
+def _wayland_reachable() -> bool:
+    """Whether the compositor's socket ``$WAYLAND_DISPLAY`` accepts a connection (relative names
+    live in ``$XDG_RUNTIME_DIR``, as libwayland resolves them)."""
+    import socket
+
+    name = os.environ.get("WAYLAND_DISPLAY", "")
+    if not name:
+        return False
+    path = name if name.startswith("/") else os.path.join(os.environ.get("XDG_RUNTIME_DIR", ""),
+                                                          name)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(2)
+            sock.connect(path)
+    except OSError:
+        return False
+    return True
+
+
+#: what to do without a display, the end of each "cannot open the window" line
+HEADLESS = ("connect with 'ssh -X', run it under 'xvfb-run ctxpatch', or work headless with "
+            "'ctxpatch compare ...' (or QT_QPA_PLATFORM=offscreen for --screenshot)")
+
+
+def check_display() -> None:
+    """Before Qt starts on Linux, where a window that cannot open aborts the process (SIGABRT,
+    with a hint about reinstalling): every such case is one line with the fix, exit 2. No
+    display (``DISPLAY`` and ``WAYLAND_DISPLAY`` unset, as over SSH), a Wayland compositor that
+    refuses, Wayland without X (Qt is then told to use Wayland rather than fail on xcb), and
+    then the xcb checks (`check_xcb`: missing libraries, a display that refuses). Other
+    platforms (offscreen, minimal, vnc...) are left to Qt."""
+    from ..core.errors import UserError
+
+    if not sys.platform.startswith("linux"):
+        return
+    platform = os.environ.get("QT_QPA_PLATFORM", "")
+    display, wayland = os.environ.get("DISPLAY"), os.environ.get("WAYLAND_DISPLAY")
+    if platform.startswith("wayland") or (platform == "" and wayland and not display):
+        if not wayland:
+            raise UserError(f"QT_QPA_PLATFORM={platform} but WAYLAND_DISPLAY is unset, so there "
+                            f"is no Wayland display to open the window on: {HEADLESS}")
+        if not _wayland_reachable():
+            raise UserError(f"cannot connect to the Wayland display {wayland!r} (is the "
+                            f"compositor running, and is XDG_RUNTIME_DIR this session's?): "
+                            f"{HEADLESS}")
+        if platform == "":
+            os.environ["QT_QPA_PLATFORM"] = "wayland"  # (Qt's default would try xcb, no X here)
+        return
+    if platform not in ("", "xcb"):
+        return
+    if not display:
+        raise UserError(f"no display to open the window on (DISPLAY is unset, as over SSH): "
+                        f"{HEADLESS}")
+    check_xcb()
+
+
 def check_xcb() -> None:
     """Before Qt starts on X11 (where a missing library aborts the process with a message that
-    names no package): one line naming the packages to install."""
+    names no package): one line naming the packages to install; then whether ``$DISPLAY``
+    accepts a connection."""
     from ..core.errors import UserError
 
     platform = os.environ.get("QT_QPA_PLATFORM", "")
     if not sys.platform.startswith("linux") or platform not in ("", "xcb"):
         return
     if platform == "" and (os.environ.get("WAYLAND_DISPLAY") or not os.environ.get("DISPLAY")):
-        return  # Qt picks Wayland, or reports the missing display itself
+        return  # Qt picks Wayland (`check_display` says when there is no display at all)
     missing = missing_xcb_libraries()
-    if not missing and not _display_reachable():
-        raise UserError(f"cannot connect to the X display {os.environ.get('DISPLAY')!r}: start "
-                        "ctxpatch where a display is available (or under xvfb-run), or run "
-                        "headless with QT_QPA_PLATFORM=offscreen")
     if missing:
         packages = " ".join(XCB_PACKAGES.get(m, m) for m in missing)
         sudo = "" if _is_root() else "sudo "  # (root in a container has no sudo)
@@ -134,6 +188,9 @@ def check_xcb() -> None:
                         f"this machine lacks ({', '.join(missing)}): install them with '{sudo}"
                         f"apt-get install {packages}' (README: Troubleshooting), or run headless "
                         "with QT_QPA_PLATFORM=offscreen")
+    if not _display_reachable():
+        raise UserError(f"cannot connect to the X display {os.environ.get('DISPLAY')!r} (is it "
+                        f"running, and may this user use it? 'xhost', 'xauth'): {HEADLESS}")
 
 
 def _is_root() -> bool:
@@ -166,7 +223,7 @@ def run_app(args: argparse.Namespace) -> int:
         from ..core.images import read_image
 
         read_image(args.image)  # a bad file is one line before the window opens
-    check_xcb()
+    check_display()
     from PySide6.QtWidgets import QApplication
 
     from .main_window import MainWindow

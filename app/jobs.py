@@ -75,7 +75,8 @@ def load_job(spec: str, dtype: str, device: str,
 def run_job(model: ModelReady, options: dict[str, Any]) -> Task:
     """A comparison of ``options`` (`core.spec.RunSpec` fields by name, checked here: a bad one
     fails the job with its one line): one `RunStarted`, then one `core.results.StepResult` per
-    token. An ``image`` is a picture's path, absorbed with the context (image+text models)."""
+    token, then (analyses asked) one `AnalysisReady`. An ``image`` is a picture's path, absorbed
+    with the context (image+text models)."""
 
     def job(should_stop: StopFn, progress: ProgressFn) -> Iterator[Any]:
         from dataclasses import replace
@@ -99,9 +100,56 @@ def run_job(model: ModelReady, options: dict[str, Any]) -> Task:
             plan=tuple(plan.report),
         )
         # (the window's progress follows the tokens as they arrive in RunState)
-        yield from iter_token_patches(loaded, prompt, plan.spec, should_stop, plan)
+        steps = []
+        for step in iter_token_patches(loaded, prompt, plan.spec, should_stop, plan):
+            steps.append(step)
+            yield step
+        transfer = None
+        if "transfer" in plan.spec.analyze and steps and not should_stop():
+            ready = transfer_ready(loaded, steps, plan.spec.scope, prompt.pixels, should_stop,
+                                   progress)
+            transfer = ready.section
+            yield ready
+        if plan.spec.analyze and steps and not should_stop():
+            from ..core.analysis import analysis_section
+
+            # here, not on the GUI thread: the geometry of 20 demo tokens takes 1-2 s
+            progress("Analysing the run's patches…", len(steps), len(steps))
+            yield AnalysisReady(len(steps), analysis_section(steps, plan.spec.analyze, transfer),
+                                transfer)
 
     return job
+
+
+@dataclass(frozen=True)
+class TransferReady:
+    """A run's transfer (`core.transfer.transfer`'s JSON-ready section), computed after its
+    last token."""
+
+    section: dict[str, Any]
+
+
+def transfer_ready(loaded: Any, steps: list[Any], scope: str, pixels: Any, should_stop: StopFn,
+                   progress: ProgressFn) -> TransferReady:
+    """The transfer of a run's steps, with progress ("Transfer: pass d of n") and cancel
+    between passes (`core.errors.Cancelled`: the run keeps its steps, without a transfer)."""
+    from ..core.transfer import transfer
+
+    n = len(steps)
+    progress(f"Transfer: each of {n} tokens' patches at every token…", 0, 0)
+    section = transfer(loaded, steps, scope, pixels=pixels, should_stop=should_stop,
+                       progress=lambda done, total: progress(
+                           f"Transfer: pass {done} of {total}", done, total))
+    return TransferReady(section)
+
+
+@dataclass(frozen=True)
+class AnalysisReady:
+    """A finished run's analyses (`core.analysis.analysis_section`), computed on the worker."""
+
+    steps: int  # how many steps they cover
+    section: dict[str, Any] | None
+    transfer: dict[str, Any] | None = None  # the `TransferReady` section it includes
 
 
 @dataclass(frozen=True)
@@ -155,5 +203,31 @@ def knockout_job(model: ModelReady, step: Any, scope: str) -> Task:
                           progress=lambda done, total: progress(
                               f"Knock-out at token {token}: pass {done} of {total}", done, total))
         yield KnockoutReady(step.step, result)
+
+    return job
+
+
+@dataclass(frozen=True)
+class DynamicsReady:
+    """A context-dynamics result as its plain record (`core.dynamics.Dynamics.to_dict`)."""
+
+    record: dict[str, Any]
+
+
+def dynamics_job(model: ModelReady, options: dict[str, Any]) -> Task:
+    """The context dynamics of ``options`` (`core.dynamics.OPTIONS` by name: the context read
+    token by token, the query fixed), one comparison step per context prefix, with progress
+    ("context prefix i of n") and cancel between prefixes and layers."""
+
+    def job(should_stop: StopFn, progress: ProgressFn) -> Iterator[Any]:
+        from ..core.dynamics import dynamics
+        from ..core.spec import from_options
+
+        spec = from_options(options)
+        progress("Dynamics: tokenizing the context…", 0, 0)
+        result = dynamics(model.handle, spec, should_stop=should_stop,
+                          progress=lambda done, total: progress(
+                              f"Dynamics: context prefix {done} of {total}", done, total))
+        yield DynamicsReady(result.to_dict())
 
     return job

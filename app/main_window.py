@@ -29,8 +29,19 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from .jobs import KnockoutReady, ModelReady, RunStarted, Task, knockout_job, load_job, run_job
+from .jobs import (
+    DynamicsReady,
+    KnockoutReady,
+    ModelReady,
+    RunStarted,
+    Task,
+    dynamics_job,
+    knockout_job,
+    load_job,
+    run_job,
+)
 from .panels.control_panel import QtControlPanel
+from .panels.dynamics_panel import QtDynamicsPanel
 from .panels.generation_panel import QtGenerationPanel, plural
 from .panels.geometry_panel import QtGeometryPanel
 from .panels.history_panel import QtHistoryPanel
@@ -39,6 +50,7 @@ from .panels.lens_panel import QtLensPanel
 from .panels.model_panel import QtModelPanel
 from .panels.patch_panel import QtPatchPanel
 from .panels.plots_panel import QtPlotsPanel
+from .panels.transfer_panel import QtTransferPanel
 from .state import RunState
 from .window_files import WindowFiles
 from .worker import Worker
@@ -133,6 +145,8 @@ class MainWindow(QMainWindow):
         self.controls = QtControlPanel(self.state)
         self.lens = QtLensPanel()  # (both filled from the finished run's record: `_on_state`)
         self.geometry = QtGeometryPanel()
+        self.transfer = QtTransferPanel()
+        self.dynamics = QtDynamicsPanel()  # (run on demand: `run_dynamics`)
         self.banner = Banner()
         self.notice = Banner(action="Restore", colour="#1565c0")
         self.history_panel = QtHistoryPanel()
@@ -143,7 +157,8 @@ class MainWindow(QMainWindow):
             history_panel=self.history_panel, plots=self.plots, banner=self.banner,
             notice=self.notice, say=self.status_label.setText, show_error=self.show_error,
             running=lambda: self.job_kind, start=self._start,
-            session_opened=self.session_opened.emit, reads=self.reads, persistent=persistent)
+            session_opened=self.session_opened.emit, reads=self.reads, persistent=persistent,
+            dynamics=self.dynamics)
         self._build_actions()
 
         self.model_panel.load_requested.connect(self.load_model)
@@ -154,12 +169,13 @@ class MainWindow(QMainWindow):
         self.history_panel.chosen.connect(self.files.show_run)
         self.plots.overlay.toggled.connect(lambda _: self.files.update_overlays())
         self.lens.knockout_requested.connect(lambda step: self.knockout(step))
+        self.dynamics.run_requested.connect(self.run_dynamics)
         self.state.subscribe(self._on_state)
 
         if persistent:
-            self._restore()
+            self._restore(options)
         else:
-            self._first_start()
+            self._first_start(options)
         if model is not None:
             self.model_panel.model.setCurrentText(model)
         if options:
@@ -184,6 +200,8 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.controls, "Controllability")
         self.tabs.addTab(self.lens, "Context lens")
         self.tabs.addTab(self.geometry, "Geometry")
+        self.tabs.addTab(self.dynamics, "Dynamics")
+        self.tabs.addTab(self.transfer, "Transfer")
         right = QSplitter(Qt.Orientation.Vertical)
         top = QWidget()
         tv = QVBoxLayout(top)
@@ -251,6 +269,8 @@ class MainWindow(QMainWindow):
         self._action(run, "&Knock out layers at the lens's token", "Ctrl+K",
                      lambda: self.knockout())
         self._action(run, "Co&mpile the context…", "Ctrl+Shift+C", self.open_compile)
+        self._action(run, "Context &dynamics (the context read token by token)", "Ctrl+D",
+                     self.run_dynamics)
         view = bar.addMenu("&View")
         self._action(view, "&Previous token", "Alt+Left", lambda: self._step_selection(-1))
         self._action(view, "&Next token", "Alt+Right", lambda: self._step_selection(+1))
@@ -259,6 +279,10 @@ class MainWindow(QMainWindow):
         self._action(view, "&Controllability", "Ctrl+3", lambda: self.tabs.setCurrentIndex(2))
         self._action(view, "Context &lens", "Ctrl+4", lambda: self.tabs.setCurrentIndex(3))
         self._action(view, "&Geometry", "Ctrl+5", lambda: self.tabs.setCurrentIndex(4))
+        self._action(view, "Context &dynamics", "Ctrl+6",
+                     lambda: self.tabs.setCurrentWidget(self.dynamics))
+        self._action(view, "&Transfer", "Ctrl+7",
+                     lambda: self.tabs.setCurrentWidget(self.transfer))
         help_menu = bar.addMenu("&Help")
         self._action(help_menu, "&About ctxpatch", "F1", self.show_about)
 
@@ -275,9 +299,15 @@ class MainWindow(QMainWindow):
     def load_model(self, run_after: bool = False) -> None:
         if self.busy:
             return
+        from ..core.footprint import first_use
+
         key = self.model_panel.key()
         self.model = None  # free the old model's memory before loading the next
-        self.model_panel.set_loaded("loading…")
+        if not self.model_panel.model.currentText().strip():  # (what loads, not the placeholder)
+            self.model_panel.model.setCurrentText(key[0])
+        said = first_use(key[0], short=True)  # (a demo's first use: size and time, said first)
+        self.model_panel.set_loaded(f"loading {key[0]}…" + (f" ({said})" if said else ""))
+        self.model_panel.loaded_label.setToolTip(first_use(key[0]) or "")
         self._run_after_load = run_after
         self._start(load_job(*key, **self.model_panel.trust_flags()), "load",
                     f"Loading {key[0]} ({key[1]}, {key[2]})…")
@@ -305,13 +335,16 @@ class MainWindow(QMainWindow):
     def cancel(self) -> None:
         if self.worker is not None:
             self.worker.requestInterruption()
-            self.status_label.setText("Cancelling: stopping before the next layer or token…")
+            self.status_label.setText("Cancelling: stopping before the next layer, token or pass…")
 
     def _start(self, job: Task, kind: str, message: str) -> None:
         worker = Worker(job, self)
         worker.loaded.connect(self._on_loaded)
         worker.session_loaded.connect(self.files.on_session_loaded)
         worker.knockout_ready.connect(self._on_knockout)
+        worker.transfer_ready.connect(lambda ready: self.state.set_transfer(ready.section))
+        worker.dynamics_ready.connect(self._on_dynamics)
+        worker.analysis_ready.connect(self.files.set_analysis)
         worker.run_started.connect(self._on_run_started)
         worker.token_done.connect(self.state.add_step)
         worker.progress.connect(self._on_progress)
@@ -334,7 +367,7 @@ class MainWindow(QMainWindow):
         if total > 0:
             self.progress.setRange(0, total)
             self.progress.setValue(done)
-        if self._kind in ("load", "session"):
+        if self._kind in ("load", "session", "dynamics") or message:  # (a run's: its analyses')
             self.status_label.setText(message)
 
     def _on_loaded(self, ready: ModelReady) -> None:
@@ -344,9 +377,10 @@ class MainWindow(QMainWindow):
         self.model_panel.set_controls(ready.output_controls)
         self.model_panel.set_loaded(
             f"{info['class']}, {info['num_layers']} layers, {info['dtype']} on {info['device']}"
-            + (f" ({info['placement']})" if info.get("placement") else "")
-            + f", {ready.seconds:.1f} s")
-        self.model_panel.loaded_label.setToolTip(f"family: {info['family']}")
+            + (f" ({info['placement']})" if info.get("placement") else ""))
+        # (the time in the status bar and the tooltip: a third line did not fit the form)
+        self.model_panel.loaded_label.setToolTip(f"family: {info['family']}; loaded in "
+                                                 f"{ready.seconds:.1f}\u00a0s")
         self.input_panel.set_chat_template_available(ready.has_chat_template)
         self.input_panel.set_takes_images(ready.takes_images)
         self.device_label.setText(f"{info['device']} · {info['dtype']}")
@@ -374,6 +408,13 @@ class MainWindow(QMainWindow):
         if kind in ("compile", "adapter"):  # (the dialog's jobs: `open_compile`)
             self.compile_dialog.job_finished(kind, outcome)
             return
+        if kind == "dynamics":
+            self.status_label.setText({"completed": "Context dynamics done",
+                                       "cancelled": "Context dynamics cancelled; the tab is "
+                                                    "unchanged"}.get(
+                                           outcome, "Context dynamics failed (see the message "
+                                                    "above)"))
+            return
         if kind == "knockout":
             self.status_label.setText({"completed": "Knock-out done",
                                        "cancelled": "Knock-out cancelled"}.get(
@@ -384,7 +425,8 @@ class MainWindow(QMainWindow):
                 self.model_panel.set_loaded("not loaded")
             if outcome == "completed":
                 self.banner.hide()  # an earlier error is stale once a model is ready
-                self.status_label.setText(f"Loaded {self.model_panel.spec()}")
+                seconds = f" in {self.model.seconds:.1f}\u00a0s" if self.model else ""
+                self.status_label.setText(f"Loaded {self.model_panel.spec()}{seconds}")
             elif outcome == "cancelled":
                 self.status_label.setText("Loading cancelled")
             if self._run_after_load:
@@ -440,6 +482,46 @@ class MainWindow(QMainWindow):
     def _on_knockout(self, ready: KnockoutReady) -> None:
         self.lens.set_knockout(ready.result)
 
+    def dynamics_problem(self) -> str | None:
+        """Why the context dynamics cannot run now, in one line (None: it can)."""
+        if self.busy:
+            return "Dynamics: wait for the current job to end, or cancel it (Esc)"
+        if self.input_panel.image_path:
+            return ("Dynamics reads a text context token by token: remove the picture from the "
+                    "context to run it")
+        if not self.input_panel.values()["context"].strip():
+            return ("Dynamics: the context is empty: type a context (it is read token by token, "
+                    "the query fixed)")
+        if self.model is None:
+            return "Dynamics: no model loaded: load one (Ctrl+L), then press Ctrl+D again"
+        if self.model.key != self.model_panel.key():
+            return ("Dynamics: the model loaded is not the one chosen: load it (Ctrl+L), then "
+                    "press Ctrl+D again")
+        return None
+
+    def run_dynamics(self) -> None:
+        """The context dynamics of the window's context, query, model and options, on the
+        worker (`app.jobs.dynamics_job`); the Dynamics tab shows it when it ends."""
+        from ..core.dynamics import OPTIONS
+
+        problem = self.dynamics_problem()
+        if problem is not None:
+            self.show_error(problem)
+            return
+        assert self.model is not None
+        self.banner.hide()
+        inputs = self.input_panel.values()
+        options = {**self.model_panel.spec_options(), "context": inputs["context"],
+                   "query": inputs["query"], "chat_template": inputs["chat_template"]}
+        self.tabs.setCurrentWidget(self.dynamics)
+        self._start(dynamics_job(self.model, {k: v for k, v in options.items()
+                                              if k in OPTIONS}),
+                    "dynamics", "Dynamics: reading the context…")
+
+    def _on_dynamics(self, ready: DynamicsReady) -> None:
+        self.dynamics.set_record(ready.record)
+        self.files.remember_dynamics()
+
     def _report_run(self, outcome: str) -> None:
         s = self.state.summary()
         if outcome == "failed":
@@ -477,10 +559,12 @@ class MainWindow(QMainWindow):
             self.lens.clear(waiting.format("context lens") if "lens" in asked else None)
             self.geometry.clear(waiting.format("patch geometry") if "geometry" in asked
                                 else None)
+            self.transfer.clear(waiting.format("transfer") if "transfer" in asked else None)
             return
         record = self.files.current_record()
         self.lens.set_record(record)
         self.geometry.set_record(record)
+        self.transfer.set_record(record)
 
     def _step_selection(self, delta: int) -> None:
         if not self.state.steps:
@@ -541,24 +625,23 @@ class MainWindow(QMainWindow):
         s.setValue("panels/input", json.dumps(self.input_panel.save()))
         s.sync()
 
-    def _first_start(self) -> None:
-        """A fresh profile runs on the first click: the paper's Mars prompt (the first preset)
-        with absorb all, which needs no context."""
-        from .. import resources
+    def _first_start(self, options: dict[str, Any] | None = None) -> None:
+        """A fresh profile runs on the first click: the paper's Mars prompt (the first preset,
+        named in the Presets box) with its absorb all, which needs no context. A prompt given
+        on the command line is run over the documented defaults instead (absorb context), never
+        over the preset's."""
+        if options and any(options.get(k) for k in ("context", "query", "image")):
+            return
+        self.input_panel.choose_preset(0)
 
-        first = resources.presets()[0]
-        self.input_panel.restore({"context": first.get("context", ""),
-                                  "query": first.get("query", "")})
-        self.model_panel.absorb.setCurrentText(first.get("absorb", "all"))
-
-    def _restore(self) -> None:
+    def _restore(self, options: dict[str, Any] | None = None) -> None:
         """The window as it was left, from its settings. A settings file can hold anything (it
         is a text file anyone can edit, or one a newer or older ctxpatch wrote): a value of the
         wrong type or an absurd size is left out with a warning in the log, and its control
         keeps its default (the panels' values: `app.panels.values.checked`); the window starts."""
         s = self.settings
         if s.value("panels/input") is None and s.value("panels/model") is None:
-            self._first_start()
+            self._first_start(options)
         for key, restore in (("window/geometry", self.restoreGeometry),
                              ("window/main_splitter", self.main_splitter.restoreState),
                              ("window/right_splitter", self.right_splitter.restoreState)):

@@ -22,16 +22,21 @@ from typing import Any
 from ..core import __version__
 from ..core.errors import UserError
 from ..core.record import RunRecord
+from .compile_view import compile_images
 from .jobs import RunStarted
 from .panels.generation_panel import COLORS, token_html
 from .report_analysis import analysis_html, analysis_images
+from .report_dynamics import dynamics_html, dynamics_images
+from .report_print import keep_with_next
 from .state import RunState
 
 #: the figures' size in the report, in CSS pixels (96 to the inch): the page's width between
 #: A4's 15 mm margins, less the document's own margin; the plots are laid out at this size, with
-#: `FIGURE_PT` text, so that a tick label prints at FIGURE_PT (drawn at `PNG_SCALE` x for print)
-PLOT_SIZE = (670, 520)  # the per-token plots
-NORMS_SIZE = (670, 400)  # a patch-norm heatmap and its profile: two to an A4 page
+#: `FIGURE_PT` text, so that a tick label prints at FIGURE_PT (drawn at `PNG_SCALE` x for print).
+#: An A4 page between the margins is 1009 px high: the per-token plots and one patch-norm figure
+#: share a page with the Plots heading, and two patch-norm figures share the next ones
+PLOT_SIZE = (670, 440)  # the per-token plots
+NORMS_SIZE = (670, 350)  # a patch-norm heatmap and its profile
 FIGURE_PT = 10.0
 PNG_SCALE = 2.5
 #: the PDF's layout unit: one CSS pixel, so an image's width="670" is the same 177 mm as in HTML
@@ -74,11 +79,12 @@ def fill_state(state: RunState, run: RunRecord) -> RunState:
     return state
 
 
-def plot_images(run: RunRecord) -> dict[str, tuple[bytes, bytes]]:
+def plot_images(run: RunRecord, selected: int | None = None) -> dict[str, tuple[bytes, bytes]]:
     """The run's plots as {name: (PNG bytes, SVG bytes)}: the per-token metrics, then the
     patch-norm heatmap and profile of every patched parameter ("patch-norms/<param>"), then the
     analyses' figures when the record has them (`app.report_analysis`: "lens",
-    "geometry/<role>")."""
+    "geometry/<role>", "transfer"). ``selected``: the token (0-based step) whose per-layer
+    profile the patch-norm figures draw, as the window shows it (default: the last)."""
     from PySide6.QtCore import Qt
     from PySide6.QtWidgets import QApplication
 
@@ -96,6 +102,7 @@ def plot_images(run: RunRecord) -> dict[str, tuple[bytes, bytes]]:
             panel.graphics.setFixedSize(*size)  # the figure is exactly its size in the report
     state, plots, patches = _EXPORT
     fill_state(state, run)
+    state.select(selected)
     for panel in (plots, patches):
         panel.show()  # lays the plots out; never on screen
         panel.adjustSize()
@@ -109,7 +116,7 @@ def plot_images(run: RunRecord) -> dict[str, tuple[bytes, bytes]]:
         images[f"patch-norms/{key}"] = _png(patches.graphics), _svg(patches.graphics)
     for panel in (plots, patches):
         panel.hide()
-    images.update(analysis_images(run.record.get("analysis"), _png, _svg, FIGURE_PT))
+    images.update(analysis_images(run.record.get("analysis"), _png, _svg, FIGURE_PT, run.record))
     return images
 
 
@@ -157,22 +164,37 @@ def _esc(x: Any) -> str:
 
 
 def _table(rows: Sequence[Sequence[Any]], header: Sequence[str] | None = None,
-           cell: Any = str) -> str:
+           cell: Any = str, raw: Sequence[int] = ()) -> str:
     """An HTML table; every cell is written by ``cell`` (``str``, or `_fmt` for numbers), then
-    escaped."""
+    escaped (the columns in ``raw``: already HTML). The header is a ``thead``: a table that
+    runs over a page repeats it on the next."""
     head = "".join(f"<th>{_esc(h)}</th>" for h in header) if header else ""
-    body = "".join("<tr>" + "".join(f"<td>{_esc(cell(c))}</td>" for c in row) + "</tr>"
-                   for row in rows)
-    return f"<table>{'<tr>' + head + '</tr>' if head else ''}{body}</table>"
+    body = "".join("<tr>" + "".join(
+        f"<td>{c if i in raw else _esc(cell(c))}</td>" for i, c in enumerate(row)) + "</tr>"
+        for row in rows)
+    return f"<table>{'<thead><tr>' + head + '</tr></thead>' if head else ''}{body}</table>"
+
+
+def breakable(name: str, screen: bool) -> str:
+    """A parameter's dotted name as HTML that may wrap after its dots and underscores (never
+    mid-word: "mlp.gate_proj.weigh / t"): ``<wbr>`` for a browser, a zero-width space for Qt's
+    layout (the PDF), which knows no ``<wbr>``."""
+    mark = "<wbr>" if screen else "\u200b"
+    out = _esc(name)
+    for sep in (".", "_"):
+        out = out.replace(sep, sep + mark)
+    return out
 
 
 def _tokens(run: RunRecord, side: str) -> str:
+    """The generated tokens in a row, mismatches marked; a newline is drawn (↵) where it is,
+    not obeyed: a generation's newlines would otherwise leave lines holding a lone ↵."""
     spans = []
     for s in run.steps:
         text = s.baseline_text if side == "baseline" else s.patched.text
         style = (f" style=\"background-color:{COLORS['mismatch'][0]}\""
                  if not s.patched.match else "")
-        spans.append(f"<span{style}>{token_html(text)}</span>")
+        spans.append(f"<span{style}>{token_html(text, breaks=False)}</span>")
     return "".join(spans)
 
 
@@ -241,7 +263,29 @@ SETTINGS = {
     "on_fault": ("On a NaN or infinity", "stop the run, or continue and count it"),
     "chat_template": ("Chat template", "the prompt wrapped in the model's chat template"),
     "image": ("Context image", "a picture in the context"),
+    "control_row": ("Control run's pass", "batched: a batch row of the patched pass; "
+                                          "separate: a forward of its own"),
+    "analyze": ("Analyses", "further readings of the patches (docs/ANALYSES.md)"),
+    "device_map": ("Layer placement", "layers spread over devices and disk (accelerate)"),
+    "max_memory": ("Memory per device", "for the layer placement"),
+    "offload_folder": ("Offload folder", "where the placement puts layers that fit nowhere"),
+    "trust_remote_code": ("Model code from the checkpoint", "run code shipped with the model"),
+    "allow_pickle": ("Pickled weights accepted", "pytorch_model.bin, loaded weights-only"),
 }
+#: a setting's value None in words (default: a dash)
+_NONE = {"output_control": "the family's default", "image": "none", "device_map": "one device",
+         "max_memory": "no limit", "offload_folder": "none"}
+#: the model table's rows as the report names them (then any others under their own key)
+MODEL = {"id": "model", "source": "loaded from", "class": "class", "family": "family",
+         "dtype": "precision", "device": "device", "num_layers": "layers"}
+#: the run's fault counts in words: key -> (what, where it happened)
+FAULTS = {"zero_z_layers": ("z = 0: input patch skipped", "layer-steps"),
+          "zero_h_layers": ("h = 0: output patch skipped", "layer-steps"),
+          "div_by_one": ("N(h)_j = 0: divided by one", "coordinates"),
+          "hard_case_layers": ("stable update's hard case: fallback used", "layer-steps")}
+#: the run's times in words
+SECONDS = {"baseline": "the model with the context", "patched": "the patched model",
+           "control": "the control run", "total": "together", "wall": "start to end"}
 _SHOWN_ELSEWHERE = ("context", "query")  # the prompt table shows them in full
 
 
@@ -250,7 +294,7 @@ def _setting_value(key: str, value: Any) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
     if value is None:
-        return {"output_control": "the family's default", "image": "none"}.get(key, "—")
+        return _NONE.get(key, "—")
     if isinstance(value, list | tuple | set | frozenset):
         return ", ".join(map(str, value)) if value else "none"
     if isinstance(value, dict):  # an image's description
@@ -300,37 +344,79 @@ def _plans(run: RunRecord) -> tuple[Any, ...]:
                  for p in plans)
 
 
-def _controllability_html(run: RunRecord) -> str:
-    """The conditioning line and, per patched layer, its mixer, controls and what happened."""
-    from ..core.controllability import conditioning_line, outcome
-    from .panels.control_panel import param_list, run_cell
+def _span(layers: Sequence[int]) -> str:
+    return str(layers[0]) if len(layers) == 1 else f"{layers[0]}–{layers[-1]}"
+
+
+def _controllability_html(run: RunRecord, screen: bool = True) -> str:
+    """The conditioning line; the controls, one row per run of consecutive layers that share
+    them (a model's layers mostly do); then per patched layer what happened in this run."""
+    from ..core.controllability import conditioning_line, conditions_line, outcome
+    from .panels.control_panel import run_cell
+    from .state import param_key
 
     line = conditioning_line(run.record.get("summary", {}).get("conditioning"))
     plans = _plans(run)
-    if not plans:
-        return f"<p>{_esc(line)}</p>"
-    result = outcome(run.steps, plans)
-    rows = [(p.layer, p.mixer, param_list(p.inputs, p.layer), param_list(p.outputs, p.layer),
-             f"{result[p.layer]['max_entry_ratio']:.3g}", run_cell(result[p.layer]))
+    if not plans:  # (a record from before the controllability report: its fault counts)
+        return f"<p>{_esc(_faults_line(run.record.get('summary', {})))}</p><p>{_esc(line)}</p>"
+    result = outcome(run.steps, plans)  # (the verdict the command line and the window give)
+    line = f"{_esc(conditions_line(result))}.<br>{_esc(line)}"
+
+    def names(params: Sequence[str], layer: int) -> str:
+        return ", ".join(breakable(param_key(n, layer), screen) for n in params) or "—"
+
+    groups: list[tuple[list[int], tuple[str, str, str]]] = []
+    for p in plans:
+        key = (_esc(p.mixer), names(p.inputs, p.layer), names(p.outputs, p.layer))
+        if groups and groups[-1][1] == key and groups[-1][0][-1] == p.layer - 1:
+            groups[-1][0].append(p.layer)
+        else:
+            groups.append(([p.layer], key))
+    controls = _table([(_span(layers), *key) for layers, key in groups],
+                      ("layers", "mixer", "input control", "output control"), raw=(1, 2, 3))
+    rows = [(p.layer, f"{result[p.layer]['max_entry_ratio']:.3g}", run_cell(result[p.layer]))
             for p in plans]
-    head = ("layer", "mixer", "input control", "output control", "largest entry / weight's",
-            "this run")
-    return f"<p>{_esc(line)}</p>{_table(rows, head)}"
+    return (f"<p>{line}</p>{controls}<p>Per patched layer: the largest patch entry as a "
+            "multiple of the patched weight's largest entry, and the conditions the "
+            "construction needs (z ≠ 0, h ≠ 0, every N(h)<sub>j</sub> ≠ 0, S ≠ 0) in this "
+            "run.</p>" + _table(rows, ("layer", "largest entry / weight's", "this run")))
+
+
+def _faults_line(summary: dict[str, Any]) -> str:
+    """The fault counts of a record made before the controllability report, in words (newer
+    records give `conditions_line`'s verdict instead)."""
+    faults = {k: v for k, v in (summary.get("faults") or {}).items() if v}
+    if not faults:
+        return ("No fault: at every layer and step z ≠ 0, h ≠ 0 and every N(h)_j ≠ 0, "
+                "and the stable update (if used) found its root.")
+    said = "; ".join(f"{FAULTS.get(k, (k, ''))[0]} at {v} {FAULTS.get(k, ('', ''))[1]}"
+                     .rstrip() for k, v in faults.items())
+    return f"Faults over all layers and steps: {said}."
+
+
+def _times_line(summary: dict[str, Any]) -> str:
+    """The run's times in words."""
+    seconds = summary.get("seconds") or {}
+    said = ", ".join(f"{SECONDS.get(k, k)} {v:.1f} s" for k, v in seconds.items()
+                     if isinstance(v, int | float))
+    return f"Time: {said}." if said else ""
 
 
 def _settings_table(settings: dict[str, Any]) -> str:
     rows = "".join(f"<tr><td>{_esc(name)}</td><td class=\"value\">{_esc(value)}</td>"
                    f"<td class=\"note\">{_esc(note)}</td></tr>"
                    for name, value, note in settings_rows(settings))
-    return ("<table class=\"settings\"><tr><th>setting</th><th>value</th><th>meaning</th></tr>"
-            f"{rows}</table>")
+    return ("<table class=\"settings\"><thead><tr><th>setting</th><th>value</th>"
+            f"<th>meaning</th></tr></thead>{rows}</table>")
 
 
 def report_html(run: RunRecord, images: dict[str, str], screen: bool = True,
+                dynamics: dict[str, Any] | None = None,
                 compiled: dict[str, Any] | None = None) -> str:
     """The report's HTML; ``images`` maps each plot name (and the context image's thumbnail,
     `THUMBNAIL`) to its ``src`` (data URI or file); ``screen``: for a browser (the PDF's page
-    has its own margins); ``compiled``: a compile record, its section at the end."""
+    has its own margins); ``dynamics``: a context-dynamics record, its section at the end;
+    ``compiled``: a compile record (`core.compile_record`), its section after that."""
     from .compile_view import compile_html
 
     summary = run.record.get("summary", {})
@@ -349,8 +435,6 @@ def report_html(run: RunRecord, images: dict[str, str], screen: bool = True,
                    if isinstance(verification, dict) else
                    "<p>Not verified in this run (<code>ctxpatch compare --verify</code>, or "
                    "<code>ctxpatch verify</code> on saved patches).</p>")
-    faults = summary.get("faults", {})
-    seconds = summary.get("seconds", {})
     titles = {"per-token": "Per-token metrics (patched vs unpatched control)"}
     titles.update({name: f"Patch norms: {name.split('/', 1)[1]}" for name in images
                    if name.startswith("patch-norms/")})
@@ -368,7 +452,7 @@ def report_html(run: RunRecord, images: dict[str, str], screen: bool = True,
 patches. Made by ctxpatch {_esc(__version__)} on
 {_esc(datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC'))}.</p>
 <h2>Model</h2>
-{_table([(k, v) for k, v in run.model.items()])}
+{_table([(MODEL.get(k, k.replace("_", " ")), v) for k, v in run.model.items()])}
 <h2>Settings</h2>
 {_settings_table(run.settings)}
 <h2>Prompt</h2>
@@ -379,18 +463,42 @@ patches. Made by ctxpatch {_esc(__version__)} on
 <p><b>Without context, patched</b></p><div class="gen">{_tokens(run, "patched")}</div>
 <h2>Pooled metrics</h2>
 {_table(metrics, ("", "patched (no context)", "control (no context, unpatched)"))}
-<p>Faults over all layers and steps: {_esc(', '.join(f'{k} {v}' for k, v in faults.items()))}.
-Time: {_esc(', '.join(f'{k} {_fmt(v)} s' for k, v in seconds.items()))}.</p>
-<h2>Controllability and conditioning</h2>
-{_controllability_html(run)}
+<p>{_esc(_times_line(summary))}</p>
 <h2>Verification</h2>
 {verify_html}
+<h2>Controllability and conditioning</h2>
+{_controllability_html(run, screen)}
 <h2>Plots</h2>
 <p>The per-token metrics on log scales, with the unpatched control; then, for each patched
-parameter, the norm of its patch per layer and token (log10) and the last token's per-layer
-profile.</p>
+parameter, the norm of its patch per layer and token (log10) and one token's per-layer profile:
+the token selected in the window when it wrote the report, else the last.</p>
 {plots}
-{analysis_html(run.record.get("analysis"), images)}{compile_html(compiled, images)}</body></html>
+{analysis_html(run.record.get("analysis"), images, run.record)}
+{dynamics_html(dynamics, images)}{compile_html(compiled, images)}</body></html>
+"""
+
+
+def dynamics_report_html(record: dict[str, Any], images: dict[str, str],
+                         screen: bool = True) -> str:
+    """The report of a context-dynamics run alone (``ctxpatch dynamics --report``): its model,
+    settings and context, then the "Context dynamics" section."""
+    settings = {k: v for k, v in (record.get("settings") or {}).items()}
+    model = record.get("model") or {}
+    return f"""<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>ctxpatch report: context dynamics</title>
+<style>{STYLE}{SCREEN_STYLE if screen else ""}</style></head><body>
+<h1>ctxpatch report: context dynamics</h1>
+<p>Context and parameter updates (Goldwaser et al., arXiv 2511.17864): the context's effect on
+the model rewritten as exact token-specific weight patches, here followed as the context is read
+token by token. Made by ctxpatch {_esc(__version__)} on
+{_esc(datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC'))}.</p>
+{"<h2>Model</h2>" + _table([(k, v) for k, v in model.items()]) if model else ""}
+<h2>Settings</h2>
+{_settings_table(settings)}
+<h2>Prompt</h2>
+{_table([("context", settings.get("context", "")), ("query", settings.get("query", ""))],
+        ("segment", "text"))}
+{dynamics_html(record, images)}</body></html>
 """
 
 
@@ -398,13 +506,15 @@ def _data_uri(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
-def write_report(run: RunRecord | None, path: str | Path, plot_dir: str | Path | None = None,
-                 inputs: Sequence[str | None] = (),
+def write_report(run: RunRecord, path: str | Path, plot_dir: str | Path | None = None,
+                 inputs: Sequence[str | None] = (), selected: int | None = None,
+                 dynamics: dict[str, Any] | None = None,
                  compiled: dict[str, Any] | None = None) -> list[Path]:
     """Write the report as HTML, or PDF when ``path`` ends in .pdf; with ``plot_dir``, also
-    every plot as PNG and SVG there. Returns the files written. ``compiled``: a compile record
-    (`core.compile_record`), its "Compiled context" section after the run's; with ``run`` None,
-    a report of the compilation alone (``ctxpatch compile --report``).
+    every plot as PNG and SVG there; ``selected``: the token whose per-layer profiles the
+    patch-norm figures draw (the window's selection; default the last); with ``dynamics`` (a
+    context-dynamics record), its section and figures too; likewise ``compiled`` (a compile
+    record, `core.compile_record`). Returns the files written.
 
     Everything is made first in temporaries beside the report, then moved into place; Ctrl+C
     and SIGTERM wait until the report is whole (`core.export.signals_held`: the seconds of its
@@ -419,18 +529,68 @@ def write_report(run: RunRecord | None, path: str | Path, plot_dir: str | Path |
         raise UserError(f"cannot write {path}: folder {parent} does not exist")
     check_report(str(path), inputs)
     with signals_held():  # (the drawing too: an exception cannot leave a Qt paint override)
-        return _write_report(run, path, parent, plot_dir, compiled)
+        images = plot_images(run, selected)
+        images.update(dynamics_images(dynamics, _png, _svg, FIGURE_PT))
+        images.update(compile_images(compiled, _png, _svg, FIGURE_PT))
+        return _write_report(path, parent, plot_dir, images, thumbnail(run),
+                             lambda srcs, screen: report_html(run, srcs, screen, dynamics,
+                                                              compiled))
 
 
-def _write_report(run: RunRecord | None, path: Path, parent: Path,
-                  plot_dir: str | Path | None, compiled: dict[str, Any] | None = None
-                  ) -> list[Path]:
-    from .compile_view import compile_images
+def write_compile_report(record: dict[str, Any], path: str | Path,
+                         plot_dir: str | Path | None = None,
+                         inputs: Sequence[str | None] = ()) -> list[Path]:
+    """Write the report of a compile record alone (``ctxpatch compile --report``), as
+    `write_report` writes a run's: HTML or PDF, the rank curve as PNG and SVG in ``plot_dir``,
+    staged and moved into place with the signals held."""
+    from ..core.export import signals_held
+    from ..core.outputs import check_report
+    from .compile_view import compile_page
 
-    ensure_app()
-    images = plot_images(run) if run is not None else {}
-    images.update(compile_images(compiled, _png, _svg, FIGURE_PT))
-    thumb = thumbnail(run) if run is not None else None
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UserError(f"cannot write {path}: folder {parent} does not exist")
+    check_report(str(path), inputs)
+    with signals_held():
+        ensure_app()
+        images = compile_images(record, _png, _svg, FIGURE_PT)
+        return _write_report(path, parent, plot_dir, images, None,
+                             lambda srcs, screen: compile_page(record, srcs, screen))
+
+
+def write_dynamics_report(record: dict[str, Any], path: str | Path,
+                          plot_dir: str | Path | None = None,
+                          inputs: Sequence[str | None] = ()) -> list[Path]:
+    """Write the report of a context-dynamics record (`core.dynamics.Dynamics.to_dict`) alone,
+    as `write_report` writes a run's: HTML or PDF, the figures as PNG and SVG in ``plot_dir``,
+    staged and moved into place with the signals held.
+
+    Raises:
+        UserError: the path cannot be written or names an input, or the record is damaged.
+    """
+    from ..core.dynamics_record import check_dynamics
+    from ..core.export import signals_held
+    from ..core.outputs import check_report
+
+    check_dynamics(record)
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UserError(f"cannot write {path}: folder {parent} does not exist")
+    check_report(str(path), inputs)
+    with signals_held():
+        ensure_app()
+        images = dynamics_images(record, _png, _svg, FIGURE_PT)
+        return _write_report(path, parent, plot_dir, images, None,
+                             lambda srcs, screen: dynamics_report_html(record, srcs, screen))
+
+
+def _write_report(path: Path, parent: Path, plot_dir: str | Path | None,
+                  images: dict[str, tuple[bytes, bytes]], thumb: bytes | None,
+                  html_of: Callable[[dict[str, str], bool], str]) -> list[Path]:
+    """Stage the plots and the report (``html_of(image sources, screen)``) beside ``path``,
+    then move them into place (`_commit`)."""
     try:
         staged = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent))
     except OSError as exc:
@@ -448,12 +608,12 @@ def _write_report(run: RunRecord | None, path: Path, parent: Path,
                     (staged / "plots" / plots[-1]).write_bytes(data)
         body = staged / "report"
         if path.suffix.lower() == ".pdf":
-            _write_pdf(run, images, str(body), thumb, compiled)
+            _write_pdf(html_of, images, str(body), thumb)
         else:
             uris = {name: _data_uri(png) for name, (png, _) in images.items()}
             if thumb is not None:
                 uris[THUMBNAIL] = _data_uri(thumb)
-            body.write_text(_page(run, uris, True, compiled), encoding="utf-8", newline="")
+            body.write_text(html_of(uris, True), encoding="utf-8", newline="")
         _commit(staged, folder, plots, path)
     except OSError as exc:
         raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
@@ -492,21 +652,11 @@ def _commit(staged: Path, folder: Path | None, plots: Sequence[str], path: Path)
         raise
 
 
-def _page(run: RunRecord | None, images: dict[str, str], screen: bool,
-          compiled: dict[str, Any] | None) -> str:
-    """The run's report (with the compilation's section), or the compilation's alone."""
-    if run is not None:
-        return report_html(run, images, screen, compiled)
-    from .compile_view import compile_page
-
-    assert compiled is not None
-    return compile_page(compiled, images, screen)
-
-
-def report_document(run: RunRecord | None, images: dict[str, tuple[bytes, bytes]],
-                    thumb: bytes | None = None, compiled: dict[str, Any] | None = None) -> Any:
+def report_document(run: RunRecord | Callable[[dict[str, str], bool], str],
+                    images: dict[str, tuple[bytes, bytes]], thumb: bytes | None = None) -> Any:
     """The report as a QTextDocument, the plots (and the context image's thumbnail) as its
-    image resources (for PDF and pages)."""
+    image resources (for PDF and pages); ``run``: a run, or the function that writes the HTML
+    from the images' sources (``html_of(sources, screen)``)."""
     from PySide6.QtCore import QUrl
     from PySide6.QtGui import QImage, QTextDocument
 
@@ -518,17 +668,20 @@ def report_document(run: RunRecord | None, images: dict[str, tuple[bytes, bytes]
     for name, png in pngs.items():
         doc.addResource(QTextDocument.ResourceType.ImageResource, QUrl(f"{name}.png"),
                         QImage.fromData(png, "PNG"))
-    doc.setHtml(_page(run, {name: f"{name}.png" for name in pngs}, False, compiled))
+    html_of = run if callable(run) else (
+        lambda srcs, screen: report_html(run, srcs, screen))  # type: ignore[arg-type]
+    doc.setHtml(html_of({name: f"{name}.png" for name in pngs}, False))
     return doc
 
 
-def _write_pdf(run: RunRecord | None, images: dict[str, tuple[bytes, bytes]], path: str,
-               thumb: bytes | None = None, compiled: dict[str, Any] | None = None) -> None:
+def _write_pdf(run: RunRecord | Callable[[dict[str, str], bool], str],
+               images: dict[str, tuple[bytes, bytes]], path: str,
+               thumb: bytes | None = None) -> None:
     """Qt's own PDF writer renders the same HTML (QTextDocument), plots as image resources."""
     from PySide6.QtCore import QMarginsF
     from PySide6.QtGui import QPageLayout, QPageSize, QPdfWriter
 
-    doc = report_document(run, images, thumb, compiled)
+    doc = report_document(run, images, thumb)
     writer = QPdfWriter(path)
     writer.setPageLayout(QPageLayout(QPageSize(QPageSize.PageSizeId.A4),
                                      QPageLayout.Orientation.Portrait, QMarginsF(15, 15, 15, 15),
@@ -538,70 +691,3 @@ def _write_pdf(run: RunRecord | None, images: dict[str, tuple[bytes, bytes]], pa
     doc.setPageSize(writer.pageLayout().paintRectPixels(writer.resolution()).size().toSizeF())
     keep_with_next(doc)
     doc.print_(writer)
-
-
-def _is_heading(block: Any) -> bool:
-    return block.blockFormat().headingLevel() > 0
-
-
-def _first_line(layout: Any, block: Any) -> tuple[float, float]:
-    """The top (in the document) and height of a block's first line."""
-    rect = layout.blockBoundingRect(block)
-    lines = block.layout()
-    if not lines.lineCount():
-        return rect.top(), rect.height()
-    line = lines.lineAt(0)
-    return rect.top() + line.y(), line.height()
-
-
-def _heading_runs(doc: Any) -> list[tuple[Any, int, int]]:
-    """Each run of headings (a heading and any headings right after it) as (its first block, the
-    page it is on, the page where what follows starts), in the document's current layout."""
-    layout, height = doc.documentLayout(), doc.pageSize().height()
-    doc.pageCount()  # lays the whole document out
-    out = []
-    block = doc.begin()
-    while block.isValid():
-        previous = block.previous()
-        if _is_heading(block) and not (previous.isValid() and _is_heading(previous)):
-            after = block.next()
-            while after.isValid() and _is_heading(after):
-                after = after.next()
-            if after.isValid():
-                # where the first lines are drawn: a line that would cross a page's foot is
-                # moved down inside its block, so the block's own top can be a page early
-                top = _first_line(layout, block)[0]
-                line_top, line_height = _first_line(layout, after)
-                bottom = line_top + max(1.0, line_height) - 0.5
-                out.append((block, int(top // height), int(bottom // height)))
-        block = block.next()
-    return out
-
-
-def heading_pages(doc: Any) -> list[tuple[str, int, int]]:
-    """(heading, its page, the page where what follows it starts) for each run of headings."""
-    return [(block.text(), page, follows) for block, page, follows in _heading_runs(doc)]
-
-
-def keep_with_next(doc: Any, rounds: int = 100) -> int:
-    """Keep every heading on the page of what follows it: a heading left at the foot of a page
-    (its table or figure pushed on to the next) gets a page break before it, so a large figure
-    starts a page with its heading. Qt's text layout has page-break-before but no keep-with-next
-    (CSS break-after: avoid); this is it. Returns how many breaks were added."""
-    from PySide6.QtGui import QTextBlockFormat, QTextCursor, QTextFormat
-
-    always = QTextFormat.PageBreakFlag.PageBreak_AlwaysBefore
-    added = 0
-    for _ in range(rounds):  # each break moves everything after it: look again from the top
-        for block, page, follows in _heading_runs(doc):
-            if page != follows and not block.blockFormat().pageBreakPolicy() & always:
-                fmt = QTextBlockFormat()
-                fmt.setPageBreakPolicy(always)
-                QTextCursor(block).mergeBlockFormat(fmt)
-                start = block.position()  # everything after it moves: lay it out again
-                doc.markContentsDirty(start, doc.characterCount() - start)
-                added += 1
-                break
-        else:
-            return added
-    return added

@@ -1,8 +1,10 @@
-"""The report's analysis sections (../shared/ANALYSIS.md A1 and A2), drawn from a run record's
-``analysis``: the context lens (a layer x token heatmap of the logit each layer's context effect
-adds to the emitted token, and per token the layers that write it most, split into the mixer's
-and the MLP's parts) and the patch geometry (per parameter role, the effective and summed rank
-per layer, and the token x token cosines of the layer with the largest patches).
+"""The report's analysis sections (../shared/ANALYSIS.md A1, A2 and A3), drawn from a run
+record's ``analysis``: the context lens (a layer x token heatmap of the logit each layer's context
+effect adds to the emitted token, and per token the layers that write it most, split into the
+mixer's and the MLP's parts), the patch geometry (per parameter role, the effective and summed
+rank per layer, and the token x token cosines of the layer with the largest patches) and the
+transfer (its own module, `app.report_transfer`: the source x target heatmap of the retained
+effect R, the mean patch's and the previous step's R over the tokens, and their means).
 
 A record without ``analysis`` gives no section and no figure. A part the lens leaves undefined
 in a layer (None in the record) is written "not defined" in tables and left blank in heatmaps,
@@ -27,6 +29,7 @@ LENS_SIZE = (670, 420)
 GEOMETRY_SIZE = (670, 330)
 LENS = "lens"  # the lens heatmap's image name
 GEOMETRY = "geometry/"  # the prefix of each role's figure: "geometry/mlp.gate_proj"
+TRANSFER = "transfer"  # the transfer figure's image name
 NOT_DEFINED = "not defined"
 DIVERGING = "CET-D1"
 _LABEL_CHARS = 8  # a token's text on an axis, at most (then "…")
@@ -117,38 +120,29 @@ def token_label(text: str) -> str:
     return shown if len(shown) <= _LABEL_CHARS else shown[:_LABEL_CHARS - 1] + "…"
 
 
-def _text_ticks(axis: Any, labels: Sequence[str], length: float) -> list[tuple[float, str]]:
-    """Ticks 1..T with the labels, every k-th one so that the texts do not overlap in
-    ``length`` pixels of axis."""
-    from PySide6.QtGui import QFontMetrics
-
-    metrics = QFontMetrics(axis.style.get("tickFont") or axis.font())
-    widest = max((metrics.horizontalAdvance(s) for s in labels), default=0) + 8
-    every = max(1, math.ceil(widest * len(labels) / max(length, 1.0)))
-    return [(i + 1.0, s) for i, s in enumerate(labels) if i % every == 0]
-
-
-def _style_bar(bar: Any, palette: Any, point_size: float) -> None:
-    """A colour bar's axis in the figure's text colour and size (`style_graphics` styles the
-    plots' axes only; the bar's would keep pyqtgraph's grey when made first)."""
-    from PySide6.QtGui import QFont
-
-    foreground = palette.text().color()
-    font = QFont()
-    font.setPointSizeF(point_size)
-    bar.axis.setPen(foreground)
-    bar.axis.setTextPen(foreground)
-    bar.axis.setStyle(tickFont=font)
-    label = bar.getAxis("bottom" if bar.horizontal else "left")  # (the bar's label is there)
-    label.labelStyle = {"color": foreground.name(), "font-size": f"{point_size:g}pt"}
-    label._updateLabel()  # (as `style_graphics` does: setLabel keeps an earlier colour)
-
-
 def _figure(kind: str, point_size: float) -> Any:
-    """The figure ``kind`` ("lens" or "geometry"), made on first use."""
+    """The figure ``kind`` ("lens", "geometry" or "transfer"), made on first use."""
     if kind not in _FIGURES:
-        _FIGURES[kind] = (_LensFigure if kind == "lens" else _GeometryFigure)(point_size)
+        if kind == "transfer":
+            from .report_transfer import TransferFigure as make
+        else:
+            make = {"lens": _LensFigure, "geometry": _GeometryFigure}[kind]
+        _FIGURES[kind] = make(point_size)
     return _FIGURES[kind]
+
+
+def _heatmap(plot: Any, label: str) -> tuple[Any, Any]:
+    """A still heatmap on ``plot`` (no mouse, no buttons): its row-major image and its colour
+    bar (the diverging map, levels set by the caller's ``bar.setLevels``), inside the plot."""
+    import pyqtgraph as pg
+
+    plot.setMouseEnabled(False, False)
+    plot.hideButtons()
+    image = pg.ImageItem(axisOrder="row-major")
+    plot.addItem(image)
+    bar = pg.ColorBarItem(values=(-1, 1), colorMap=DIVERGING, interactive=False, label=label)
+    bar.setImageItem(image, insert_in=plot)
+    return image, bar
 
 
 class _LensFigure:
@@ -158,26 +152,22 @@ class _LensFigure:
         import pyqtgraph as pg
         from PySide6.QtCore import Qt
 
+        from .panels.heatmap import LabelAxis
         from .panels.plots_panel import TokenAxis
-        from .theme import style_graphics
+        from .theme import style_bar, style_graphics
 
         self.graphics = pg.GraphicsLayoutWidget()
         self.graphics.setAttribute(Qt.WidgetAttribute.WA_DontShowOnScreen)
         self.graphics.setFixedSize(*LENS_SIZE)
-        self.plot = self.graphics.addPlot(row=0, col=0, axisItems={"left": TokenAxis("left")})
+        self.plot = self.graphics.addPlot(row=0, col=0, axisItems={
+            "left": TokenAxis("left"), "bottom": LabelAxis("bottom")})
         self.plot.setLabel("bottom", "emitted token")
         self.plot.setLabel("left", "layer")
-        self.plot.setMouseEnabled(False, False)
-        self.plot.hideButtons()
-        self.image = pg.ImageItem(axisOrder="row-major")
-        self.plot.addItem(self.image)
-        self.bar = pg.ColorBarItem(values=(-1, 1), colorMap=DIVERGING, interactive=False,
-                                   label="logit added to the emitted token")
-        self.bar.setImageItem(self.image, insert_in=self.plot)
+        self.image, self.bar = _heatmap(self.plot, "logit added to the emitted token")
         # a label may reach past the plot's ends (the first token's, under the layer axis)
         self.plot.getAxis("bottom").setStyle(hideOverlappingLabels=False)
         style_graphics(self.graphics, [self.plot], self.graphics.palette(), point_size)
-        _style_bar(self.bar, self.graphics.palette(), point_size)
+        style_bar(self.bar, self.graphics.palette(), point_size)
 
     def draw(self, lens: dict[str, Any]) -> Any:
         from PySide6.QtCore import QRectF
@@ -194,11 +184,9 @@ class _LensFigure:
         every = max(1, -(-len(layers) // 12))
         self.plot.getAxis("left").setTicks(
             [[(i, str(layer)) for i, layer in enumerate(layers) if i % every == 0]])
+        self.plot.getAxis("bottom").set_labels(  # (every k-th: they never overlap)
+            {t + 1: token_label(text) for t, text in enumerate(tokens)})
         self.graphics.show()
-        QApplication.processEvents()  # lays the plot out: the axis' width is known
-        bottom = self.plot.getAxis("bottom")
-        bottom.setTicks([_text_ticks(bottom, [token_label(t) for t in tokens],
-                                     self.plot.vb.width())])
         QApplication.processEvents()
         return self.graphics
 
@@ -212,7 +200,7 @@ class _GeometryFigure:
         from PySide6.QtCore import Qt
 
         from .panels.plots_panel import TokenAxis
-        from .theme import legend_style, series_colors, style_graphics
+        from .theme import legend_style, series_colors, style_bar, style_graphics
 
         self.graphics = pg.GraphicsLayoutWidget()
         self.graphics.setAttribute(Qt.WidgetAttribute.WA_DontShowOnScreen)
@@ -252,19 +240,13 @@ class _GeometryFigure:
             "bottom": TokenAxis("bottom"), "left": TokenAxis("left")})
         self.gram.setLabel("bottom", "token")
         self.gram.setLabel("left", "token")
-        self.gram.setMouseEnabled(False, False)
-        self.gram.hideButtons()
         self.gram.invertY(True)  # a matrix: token 1's row at the top
-        self.image = pg.ImageItem(axisOrder="row-major")
-        self.gram.addItem(self.image)
-        self.bar = pg.ColorBarItem(values=(-1, 1), colorMap=DIVERGING, interactive=False,
-                                   label="cosine")
-        self.bar.setImageItem(self.image, insert_in=self.gram)
+        self.image, self.bar = _heatmap(self.gram, "cosine")
         self.graphics.ci.layout.setColumnStretchFactor(0, 1)
         self.graphics.ci.layout.setColumnStretchFactor(1, 1)
         style_graphics(self.graphics, [self.ranks, self.gram], self.graphics.palette(),
                        point_size)
-        _style_bar(self.bar, self.graphics.palette(), point_size)
+        style_bar(self.bar, self.graphics.palette(), point_size)
 
     def draw(self, role: dict[str, Any], steps: int) -> Any:
         from PySide6.QtCore import QRectF
@@ -296,10 +278,12 @@ class _GeometryFigure:
 
 
 def analysis_images(analysis: dict[str, Any] | None, png: Any, svg: Any,
-                    point_size: float) -> dict[str, tuple[bytes, bytes]]:
+                    point_size: float, record: dict[str, Any] | None = None
+                    ) -> dict[str, tuple[bytes, bytes]]:
     """The analysis figures as {name: (PNG bytes, SVG bytes)}: `LENS`, then ``geometry/<role>``
-    per parameter role; nothing for what the record does not hold. ``png`` and ``svg`` draw a
-    laid-out `GraphicsLayoutWidget` (`app.report`'s writers)."""
+    per parameter role, then `TRANSFER`; nothing for what the record does not hold. ``png`` and
+    ``svg`` draw a laid-out `GraphicsLayoutWidget` (`app.report`'s writers); ``record``: the
+    run record they come from (its tokens label the transfer's axes)."""
     images: dict[str, tuple[bytes, bytes]] = {}
     if not analysis:
         return images
@@ -317,6 +301,13 @@ def analysis_images(analysis: dict[str, Any] | None, png: Any, svg: Any,
             widget = figure.draw(role, steps)
             images[GEOMETRY + label] = png(widget), svg(widget)
             widget.hide()
+    transfer = analysis.get("transfer")
+    if transfer and transfer.get("retained"):
+        from .report_transfer import step_tokens
+
+        widget = _figure("transfer", point_size).draw(transfer, step_tokens(record or {}))
+        images[TRANSFER] = png(widget), svg(widget)
+        widget.hide()
     return images
 
 
@@ -337,7 +328,7 @@ def _figure_html(title: str, src: str, width: int) -> str:
 def _lens_html(lens: dict[str, Any], images: dict[str, str]) -> str:
     s = [x for x in lens.get("s") or [] if x is not None]
     head = ("<h2>Context lens</h2>\n<p>What each layer's context effect "
-            "δ = T<sub>C</sub> − T<sub>0</sub> writes into the vocabulary (ANALYSIS.md A1): "
+            "δ = T<sub>C</sub> − T<sub>0</sub> writes into the vocabulary (docs/ANALYSES.md): "
             "δ read through the unembedding with the final norm frozen at the full-context "
             "residual (direct effect only; what δ does through later layers is not in it). "
             "The heatmap shows the logit each layer adds to the token the model with the "
@@ -365,8 +356,9 @@ def _lens_html(lens: dict[str, Any], images: dict[str, str]) -> str:
              "<p>Per generated token, the three layers whose context effect adds the most to its "
              "logit, and that logit split into the mixer's part (attention or state space) and "
              f"the MLP's; \"{NOT_DEFINED}\" where a part does not exist in that layer.</p>\n"
-             "<table class=\"lens\"><tr><th>token</th><th>text</th><th>layer</th>"
-             "<th>total</th><th>mixer</th><th>MLP</th></tr>" + "".join(body) + "</table>")
+             "<table class=\"lens\"><thead><tr><th>token</th><th>text</th><th>layer</th>"
+             "<th>total</th><th>mixer</th><th>MLP</th></tr></thead>" + "".join(body) +
+             "</table>")
     return head + figure + table
 
 
@@ -375,7 +367,7 @@ def _geometry_html(geometry: dict[str, Any], images: dict[str, str]) -> str:
     steps = steps_of(geometry)
     out = [("<h2>Patch geometry</h2>\n<p>How each parameter's patches over the "
             f"{_esc(steps)} generated tokens align and how many directions they span "
-            "(ANALYSIS.md A2), from the stored factors. Effective rank: exp of the entropy of "
+            "(docs/ANALYSES.md), from the stored factors. Effective rank: exp of the entropy of "
             "the normalised singular values of the stack of the patches (1 when all align, T "
             "when orthogonal); rank of the sum: the rank of Σ<sub>t</sub> P<sub>t</sub>. The "
             "heatmap holds the Frobenius cosines between the patches of two tokens, in the "
@@ -403,9 +395,11 @@ def _geometry_html(geometry: dict[str, Any], images: dict[str, str]) -> str:
     return "".join(out)
 
 
-def analysis_html(analysis: dict[str, Any] | None, images: dict[str, str]) -> str:
-    """The report's "Context lens" and "Patch geometry" sections ("" without ``analysis``);
-    ``images`` maps each figure's name to its ``src``."""
+def analysis_html(analysis: dict[str, Any] | None, images: dict[str, str],
+                  record: dict[str, Any] | None = None) -> str:
+    """The report's "Context lens", "Patch geometry" and "Transfer" sections ("" without
+    ``analysis``); ``images`` maps each figure's name to its ``src``; ``record``: the run record
+    (its settings say whether the transfer's diagonal can reproduce the run)."""
     if not analysis:
         return ""
     parts = []
@@ -413,13 +407,19 @@ def analysis_html(analysis: dict[str, Any] | None, images: dict[str, str]) -> st
         parts.append(_lens_html(analysis["lens"], images))
     if analysis.get("geometry"):
         parts.append(_geometry_html(analysis["geometry"], images))
+    if (analysis.get("transfer") or {}).get("retained"):
+        from .report_transfer import transfer_html
+
+        parts.append(transfer_html(analysis["transfer"], images, record))
     return "\n".join(parts) + ("\n" if parts else "")
 
 
 def figure_titles(images: dict[str, Any]) -> set[str]:
     """The image names this module places (the report's own plot list leaves them out)."""
-    return {name for name in images if name == LENS or name.startswith(GEOMETRY)}
+    return {name for name in images
+            if name in (LENS, TRANSFER) or name.startswith(GEOMETRY)}
 
 
-__all__ = ["GEOMETRY", "LENS", "NOT_DEFINED", "analysis_html", "analysis_images",
-           "figure_titles", "geometry_roles", "lens_matrix", "lens_rows", "role_label"]
+__all__ = ["GEOMETRY", "LENS", "NOT_DEFINED", "TRANSFER", "analysis_html", "analysis_images",
+           "figure_titles", "geometry_roles", "lens_matrix", "lens_rows", "role_label",
+           "token_label"]

@@ -26,6 +26,7 @@ from pydantic import Field, TypeAdapter, ValidationError
 from typing_extensions import NotRequired, TypedDict  # pydantic needs this TypedDict before 3.12
 
 from ..core.compile_record import CompileRecord
+from ..core.dynamics_record import DynamicsRecord
 from ..core.errors import UserError
 from ..core.options import DeviceMap, PatchKind
 from ..core.record import _STRICT, SCHEMA_LOCK, Int32, _Run, first_problem, record_schema
@@ -84,16 +85,16 @@ def new_autosave_path() -> Path:
 
 
 def session_dict(inputs: dict[str, Any], options: dict[str, Any], runs: list[dict[str, Any]],
-                 current: int | None, compiled: dict[str, Any] | None = None
-                 ) -> dict[str, Any]:
-    """A session; ``compiled``: the last compilation's record (`core.compile_record`), written
-    only when there is one (older sessions have none, and open as before)."""
-    out = {"format": FORMAT, "schema_version": SCHEMA_VERSION,
-           "saved": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "inputs": inputs, "options": options, "runs": runs[-MAX_RUNS:], "current": current}
-    if compiled:
-        out["compile"] = compiled
-    return out
+                 current: int | None, dynamics: dict[str, Any] | None = None,
+                 compiled: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A session; ``dynamics``: the Dynamics tab's result (`core.dynamics.Dynamics.to_dict`),
+    left out when there is none (a session without it opens with the tab empty); ``compiled``:
+    the last compilation's record (`core.compile_record`), likewise."""
+    return {"format": FORMAT, "schema_version": SCHEMA_VERSION,
+            "saved": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "inputs": inputs, "options": options, "runs": runs[-MAX_RUNS:], "current": current,
+            **({"dynamics": dynamics} if dynamics is not None else {}),
+            **({"compile": compiled} if compiled else {})}
 
 
 def save_session(path: str | Path, session: dict[str, Any]) -> None:
@@ -148,6 +149,9 @@ class Session(TypedDict):
     runs: Annotated[list[_Run], Field(max_length=MAX_RUNS)]
     current: NotRequired[int | None]
     compile: NotRequired[CompileRecord | None]  # Run > Compile the context…'s last result
+    #: the Dynamics tab's result (`core.dynamics_record.DynamicsRecord`, its lengths checked
+    #: after: `_check_dynamics`); absent from sessions written before it existed
+    dynamics: NotRequired[DynamicsRecord | None]
 
 
 _CHECK: dict[type, TypeAdapter[Session]] = {}  # per RunSpec class, built on first use (0.1 s)
@@ -244,6 +248,14 @@ def load_session(path: str | Path,
         if legacy:  # name the run as that file does
             problem = problem.replace("runs[0]", "run", 1)
         raise SessionError(path, f"damaged ({problem})", ADVICE) from None
+    if data.get("dynamics") is not None:
+        from ..core.dynamics_record import DynamicsError, check_dynamics
+
+        try:
+            check_dynamics(data["dynamics"], "its dynamics")
+        except DynamicsError as exc:
+            raise SessionError(path, f"{exc.problem.replace('(', '(dynamics: ', 1)}",
+                               ADVICE) from None
     return data
 
 

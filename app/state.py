@@ -43,6 +43,7 @@ class RunState:
         self.relative = False
         self.running = False
         self.wall: float | None = None  # seconds from the run's start to its end
+        self.transfer: dict[str, Any] | None = None  # the run's transfer, once computed
         self._t0 = 0.0
         self._listeners: list[Listener] = []
         self._held: list[str] | None = None  # events held back by `batch()`
@@ -81,7 +82,7 @@ class RunState:
     # -- changes ------------------------------------------------------------------------------
     def reset(self, started: Any) -> None:
         self.started, self.steps, self.selected, self.running = started, [], None, True
-        self.wall, self._t0 = None, time.perf_counter()
+        self.wall, self._t0, self.transfer = None, time.perf_counter(), None
         self._notify("reset")
 
     def add_step(self, step: Any) -> None:
@@ -90,6 +91,11 @@ class RunState:
             keys = self.param_keys()
             self.param = keys[0] if keys else None
         self._notify("step")
+
+    def set_transfer(self, section: dict[str, Any]) -> None:
+        """The run's transfer (`core.transfer.transfer`), computed on the worker after its
+        last token; the record's ``analysis.transfer``."""
+        self.transfer = section
 
     def finish(self) -> None:
         self.running = False

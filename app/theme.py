@@ -50,6 +50,7 @@ def style_graphics(graphics: Any, plots: list[Any], palette: QPalette,
     if point_size is not None:
         font.setPointSizeF(point_size)
     for plot in plots:
+        plot.hideButtons()  # (pyqtgraph's "A" auto-range button: the views fit themselves)
         for name in ("left", "bottom"):
             axis = plot.getAxis(name)
             axis.setPen(foreground)
@@ -63,6 +64,24 @@ def style_graphics(graphics: Any, plots: list[Any], palette: QPalette,
         plot.titleLabel.setAttr("size", f"{font.pointSizeF():g}pt")
         if plot.titleLabel.text:
             plot.titleLabel.setText(plot.titleLabel.text)
+
+
+def style_bar(bar: Any, palette: QPalette, point_size: float | None = None) -> None:
+    """A colour bar's axis and label in the palette's text colour (`style_graphics` styles the
+    plots' axes only; the bar's would keep pyqtgraph's grey when made first); with
+    ``point_size``, in that size."""
+    from PySide6.QtGui import QFont
+
+    foreground = palette.text().color()
+    font = QFont()
+    if point_size is not None:
+        font.setPointSizeF(point_size)
+    bar.axis.setPen(foreground)
+    bar.axis.setTextPen(foreground)
+    bar.axis.setStyle(tickFont=font)
+    label = bar.getAxis("bottom" if bar.horizontal else "left")  # (the bar's label is there)
+    label.labelStyle = {"color": foreground.name(), "font-size": f"{font.pointSizeF():g}pt"}
+    label._updateLabel()  # (as `style_graphics` does: setLabel keeps an earlier colour)
 
 
 def legend_style(legend: Any, palette: QPalette, point_size: float | None = None) -> None:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from ..core.record import RunRecord
     from .jobs import RunStarted, SessionReady, Task
     from .main_window import Banner
+    from .panels.dynamics_panel import QtDynamicsPanel
     from .panels.history_panel import QtHistoryPanel
     from .panels.input_panel import QtInputPanel
     from .panels.model_panel import QtModelPanel
@@ -48,6 +49,8 @@ class WindowFiles:
         state: the shown run (read for exports, filled when a saved run is shown).
         input_panel, model_panel: saved into sessions, restored from them.
         history_panel, plots: the run list and the overlays of the other runs.
+        dynamics: the Dynamics tab: its result is saved in sessions, restored from them, and
+            added to exported reports.
         banner: the error line, hidden when a large session has opened.
         notice: the line that offers the autosave back.
         say: sets the status line.
@@ -70,7 +73,8 @@ class WindowFiles:
                  show_error: Callable[[str], None], running: Callable[[], str | None],
                  start: Callable[[Task, str, str], None],
                  session_opened: Callable[[str], None],
-                 reads: Callable[[], list[str | None]] = list, persistent: bool = True) -> None:
+                 reads: Callable[[], list[str | None]] = list, persistent: bool = True,
+                 dynamics: QtDynamicsPanel | None = None) -> None:
         self._window = window
         self._state = state
         self._input_panel = input_panel
@@ -86,6 +90,7 @@ class WindowFiles:
         self._session_opened = session_opened
         self._reads = reads
         self._persistent = persistent
+        self._dynamics = dynamics
         # the autosave: this window's own (once written), the crashed sessions found at start
         # waiting to be offered, the one offered now, and those declined (removed at a clean
         # exit); one neither restored nor declined is kept, and offered again at the next start
@@ -96,8 +101,9 @@ class WindowFiles:
         self.history: list[dict[str, Any]] = []  # finished runs' records, oldest first
         self.history_index: int | None = None  # the one shown
         self._pending_session: SessionReady | None = None  # applied when its job has ended
-        #: the shown run's analyses: (its RunStarted, its steps, the section), see `_analysis`
-        self._analysis_cache: tuple[Any, int, dict[str, Any] | None] | None = None
+        #: the shown run's analyses: (its RunStarted, its steps, its transfer, the section), see
+        #: `_analysis`
+        self._analysis_cache: tuple[Any, int, Any, dict[str, Any] | None] | None = None
         #: the last compilation's record (`core.compile_record`): sessions and reports keep it
         self.compiled: dict[str, Any] | None = None
 
@@ -116,25 +122,32 @@ class WindowFiles:
         return record_of(started.model, started.prompt, spec, self._state.steps,
                          started.plan or None, self._state.wall, self._analysis(spec))
 
+    def set_analysis(self, ready: Any) -> None:
+        """The running run's analyses, computed on the worker (`app.jobs.AnalysisReady`): the
+        record of the run uses them (`_analysis`), so the GUI thread does not compute them."""
+        self._analysis_cache = (self._state.started, ready.steps, ready.transfer, ready.section)
+
     def _analysis(self, spec: Any) -> dict[str, Any] | None:
-        """The shown run's analyses (`core.analysis.analysis_section`), computed once per run
-        and length: exports, the run list and the analysis tabs all ask for the record."""
+        """The shown run's analyses (`core.analysis.analysis_section`), once per run and
+        length: exports, the run list and the analysis tabs all ask for the record. A finished
+        run's come from the worker (`set_analysis`); a cancelled run's are computed here."""
         if not spec.analyze:
             return None
-        started, n = self._state.started, len(self._state.steps)
+        started, n, transfer = self._state.started, len(self._state.steps), self._state.transfer
         cache = self._analysis_cache
-        if cache is None or cache[0] is not started or cache[1] != n:
+        if cache is None or cache[0] is not started or cache[1] != n or cache[2] is not transfer:
             from ..core.analysis import analysis_section
 
-            cache = self._analysis_cache = (started, n,
-                                            analysis_section(self._state.steps, spec.analyze))
-        return cache[2]
+            cache = self._analysis_cache = (started, n, transfer, analysis_section(
+                self._state.steps, spec.analyze, transfer))
+        return cache[3]
 
     def export(self, kind: str, path: str | None = None) -> bool:
         """Write the current run as JSON, CSV or a report (HTML, or PDF by the file's suffix);
         returns whether a file was written."""
         record = self.current_record()
-        if record is None and not (kind == "report" and self.compiled):
+        dynamics = self._dynamics.record if self._dynamics is not None else None
+        if record is None and not (kind == "report" and (dynamics is not None or self.compiled)):
             self._show_error("nothing to export yet: run a comparison first")
             return False
         if path is None:
@@ -151,18 +164,26 @@ class WindowFiles:
         try:
             self.check_writes({"json": "the run JSON", "csv": "the CSV",
                                "report": "the report"}[kind], path, report=kind == "report")
-            if kind == "json":
+            if kind == "json" and record is not None:
                 write_json(path, record)
             elif kind == "csv":
                 write_text(path, steps_csv(self._state.steps))
             else:
-                from .report import write_report
+                from .report import write_compile_report, write_dynamics_report, write_report
                 from .session import rebuild
 
                 target = Path(path)
                 self._say(f"Writing the report {path}…")
-                write_report(None if record is None else rebuild(record, "the run"), target,
-                             target.with_name(f"{target.stem}_plots"), compiled=self.compiled)
+                if record is None and dynamics is not None:  # the context dynamics alone
+                    write_dynamics_report(dynamics, target,
+                                          target.with_name(f"{target.stem}_plots"))
+                elif record is None:  # the compilation alone
+                    write_compile_report(self.compiled, target,
+                                         target.with_name(f"{target.stem}_plots"))
+                else:
+                    write_report(rebuild(record, "the run"), target,
+                                 target.with_name(f"{target.stem}_plots"), dynamics=dynamics,
+                                 selected=self._state.selected, compiled=self.compiled)
         except UserError as exc:
             self._show_error(exc.words("window"))
             return False
@@ -216,6 +237,12 @@ class WindowFiles:
 
         from .panels.history_panel import short_label
 
+        def prompt(record: dict[str, Any]) -> tuple[Any, ...]:
+            s = record.get("settings", {})
+            return tuple(s.get(k) for k in ("model", "context", "image", "query", "chat_template"))
+
+        shown_prompt = (prompt(self.history[self.history_index])
+                        if self.history_index is not None and self.history else None)
         runs = []
         if self._plots.overlay.isChecked():
             for i, record in enumerate(self.history):
@@ -226,7 +253,10 @@ class WindowFiles:
                 series = {"linf": np.array([_real(s["linf"]) for s in steps]),
                           "tvd": np.array([_real(s["tvd"]) for s in steps]),
                           "match": np.array([float(bool(s["match"])) for s in steps])}
-                runs.append((short_label(record, i), series))
+                other = shown_prompt is not None and prompt(record) != shown_prompt
+                # (another prompt or model: its tokens are not this run's, said in its label)
+                runs.append((short_label(record, i) + (" · other prompt" if other else ""),
+                             series))
         shown = (short_label(self.history[self.history_index], self.history_index)
                  if self.history_index is not None and self.history else "this run")
         self._plots.set_overlays(runs, shown)
@@ -255,11 +285,17 @@ class WindowFiles:
         self.update_overlays()
         self._say(f"Showing run #{index + 1} (saved; not recomputed)")
 
+    def remember_dynamics(self) -> None:
+        """The Dynamics tab has a new result: autosave the session (it holds it)."""
+        self._autosave_session()
+
     def _session(self) -> dict[str, Any]:
         from .session import session_dict
 
         return session_dict(self._input_panel.save(), self._model_panel.save(), self.history,
-                            self.history_index, compiled=self.compiled)
+                            self.history_index,
+                            self._dynamics.record if self._dynamics is not None else None,
+                            compiled=self.compiled)
 
     def _autosave_session(self) -> bool:
         """Write this window's autosave (never another session's: its first goes where no
@@ -388,6 +424,8 @@ class WindowFiles:
         self.history, self.history_index = list(data.get("runs") or []), index
         self.compiled = data.get("compile")  # (shown by Run > Compile the context…)
         self._history_panel.set_runs(self.history, index)
+        if self._dynamics is not None:  # (checked with the session: `load_session`)
+            self._dynamics.set_record(data.get("dynamics"))
         if index is not None and run is not None:
             self._show(index, run)
 
@@ -452,6 +490,8 @@ class WindowFiles:
         if self._running() not in (None, "load"):  # a model may load meanwhile; not a run
             self._show_error("a job is running: cancel it (Esc) before restoring the autosave")
             return
+        if data.get("dynamics") is None and self._dynamics is not None:
+            data = {**data, "dynamics": self._dynamics.record}  # (this window's, kept)
         if self.history:
             runs = list(data["runs"]) + self.history
             cut = max(0, len(runs) - MAX_RUNS)

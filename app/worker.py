@@ -1,9 +1,11 @@
 """The one worker thread: it drives a job (see `app.jobs`) and forwards what it yields.
 
 Signals carry plain data (STYLE.md 3-4): ``run_started(RunStarted)``, ``token_done(StepResult)``,
-``loaded(ModelReady)``, ``session_loaded(SessionReady)``, ``progress(message, done, total)``; the
-job then ends with exactly one of ``completed()``, ``cancelled()`` or ``failed(message)``, and
-QThread's own ``finished()`` follows. Cancel is cooperative: `requestInterruption()` is the job's
+``loaded(ModelReady)``, ``session_loaded(SessionReady)``, ``knockout_ready(KnockoutReady)``,
+``dynamics_ready(DynamicsReady)``, ``transfer_ready(TransferReady)``,
+``analysis_ready(AnalysisReady)``, ``progress(message, done, total)``; the job then ends with
+exactly one of ``completed()``, ``cancelled()`` or ``failed(message)``, and QThread's own
+``finished()`` follows. Cancel is cooperative: `requestInterruption()` is the job's
 ``should_stop`` (core checks it between layers and tokens); the thread is never terminated.
 """
 
@@ -16,7 +18,16 @@ from PySide6.QtCore import QObject, QThread, Signal
 
 from ..core.errors import Cancelled, UserError
 from .compile_jobs import AdapterSaved, CompileReady
-from .jobs import KnockoutReady, ModelReady, RunStarted, SessionReady, Task
+from .jobs import (
+    AnalysisReady,
+    DynamicsReady,
+    KnockoutReady,
+    ModelReady,
+    RunStarted,
+    SessionReady,
+    Task,
+    TransferReady,
+)
 
 log = logging.getLogger("ctxpatch")
 
@@ -28,6 +39,9 @@ class Worker(QThread):
     session_loaded = Signal(object)
     knockout_ready = Signal(object)
     compile_ready = Signal(object)  # a CompileReady or an AdapterSaved (app.compile_jobs)
+    transfer_ready = Signal(object)
+    dynamics_ready = Signal(object)
+    analysis_ready = Signal(object)
     progress = Signal(str, int, int)
     completed = Signal()
     cancelled = Signal()
@@ -48,6 +62,12 @@ class Worker(QThread):
             self.knockout_ready.emit(item)
         elif isinstance(item, CompileReady | AdapterSaved):
             self.compile_ready.emit(item)
+        elif isinstance(item, TransferReady):
+            self.transfer_ready.emit(item)
+        elif isinstance(item, DynamicsReady):
+            self.dynamics_ready.emit(item)
+        elif isinstance(item, AnalysisReady):
+            self.analysis_ready.emit(item)
         else:
             self.token_done.emit(item)
 

@@ -111,6 +111,54 @@ def transfer_means(section: dict[str, Any]) -> dict[str, float | None]:
             "previous": avg(list(section.get("previous") or []))}
 
 
+#: a diagonal entry reproduces the run when its token matches and R is at least this
+REPRODUCES = 0.9
+
+
+def transfer_diagonal(section: dict[str, Any]) -> dict[str, Any]:
+    """A transfer section's diagonal (each step's own patches, applied as the transfer applies
+    them): ``retained`` (its R per step, None where undefined), ``matches`` (how many steps'
+    tokens match), ``steps``, and ``reproduces``: every step's token matches and its R is at
+    least `REPRODUCES` (an undefined R, where the control already equals the full context,
+    counts as reproduced)."""
+    r, match = section.get("retained") or [], section.get("match") or []
+    n = len(r)
+    diagonal = [r[t][t] for t in range(n)]
+    matches = sum(bool(match[t][t]) for t in range(min(n, len(match))))
+    return {"retained": diagonal, "matches": matches, "steps": n,
+            "reproduces": matches == n and all(x is None or x >= REPRODUCES for x in diagonal)}
+
+
+def transfer_caveat(record: dict[str, Any]) -> str | None:
+    """One line on why a run's transfer matrix does not measure transfer, or None when it does:
+    method direct on a post-norm-scale model (the run's output control "scale") writes
+    unbounded scale patches, which reproduce the run only inside the engine's own pass (the
+    command line warns of it before running); any other run whose diagonal does not reproduce
+    it is said so too."""
+    section = ((record.get("analysis") or {}).get("transfer")) or {}
+    if not section.get("retained"):
+        return None
+    d = transfer_diagonal(section)
+    values = [x for x in d["retained"] if x is not None]
+    seen = (f"diagonal R {min(values):.3g}..{max(values):.3g}, " if values else "diagonal ") + (
+        f"{d['matches']}/{d['steps']} tokens match")
+    plans = (record.get("controllability") or {}).get("plan") or []
+    direct_scale = ((record.get("settings") or {}).get("method") == "direct"
+                    and any(p.get("control") == "scale" for p in plans))
+    if direct_scale and not d["reproduces"]:
+        return ("Not a transfer measurement: method direct's post-norm-scale patches are "
+                "unbounded on this model, so even each step's own patches, applied outside the "
+                f"run, do not reproduce it ({seen}): run again with method stable.")
+    if direct_scale:
+        return (f"Method direct on a post-norm-scale model: its scale patches can be unbounded; "
+                f"here the diagonal reproduces the run ({seen}), so the matrix reads as it "
+                "should (method stable is the safe choice on this family).")
+    if not d["reproduces"]:
+        return (f"The diagonal (each step's own patches) does not reproduce the run ({seen}): "
+                "read the other entries with care.")
+    return None
+
+
 def _kind(name: str) -> str:
     """A parameter's role without its layer: ``mlp.gate_proj`` for
     ``model.layers.3.mlp.gate_proj.weight``."""
@@ -124,4 +172,5 @@ def _kind(name: str) -> str:
     return name
 
 
-__all__ = ["analysis_section", "strongest_layers", "summary_lines", "transfer_means"]
+__all__ = ["REPRODUCES", "analysis_section", "strongest_layers", "summary_lines",
+           "transfer_caveat", "transfer_diagonal", "transfer_means"]

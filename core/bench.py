@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -19,6 +20,47 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+#: one CPU burner (`background_load`): spins until its deadline, or at once when its parent is
+#: gone (it checks its parent's id ten times a second), so that no burner outlives the bench
+#: even when the bench is killed outright
+BURNER = """
+import os, sys, time
+parent, deadline = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+x = 1
+while time.monotonic() < deadline and os.getppid() == parent:
+    stop = time.monotonic() + 0.1
+    while time.monotonic() < stop:
+        x = (x * 3 + 1) % 1000003
+"""
+#: how long a burner lives at most (seconds), whatever happens to the bench
+BURNER_LIMIT_S = 3600.0
+
+
+@contextmanager
+def background_load(n: int, limit_s: float = BURNER_LIMIT_S) -> Iterator[list[int]]:
+    """``n`` busy processes beside the bench (a busy laptop: other programs on the cores),
+    stopped when the block ends, on Ctrl+C and on errors alike; each also stops by itself after
+    ``limit_s`` seconds or when this process is gone. Yields their process ids."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for _ in range(n):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", BURNER, str(os.getpid()), str(limit_s)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                # (its own session: a Ctrl+C in the terminal reaches the bench, which stops it)
+                start_new_session=True))
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
 def _generate(loaded: Any, prompt: Any, tokens: int) -> None:
@@ -32,6 +74,15 @@ def _generate(loaded: Any, prompt: Any, tokens: int) -> None:
     with torch.inference_mode():
         loaded.model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
                               **extra)
+
+
+def _threaded_generate(loaded: Any, prompt: Any, tokens: int) -> None:
+    """`_generate` with the threads a comparison would take now (`core.threads`), so that
+    both sides of the ratio run alike on a busy machine."""
+    from .threads import run_threads
+
+    with run_threads(loaded.device):
+        _generate(loaded, prompt, tokens)
 
 
 def _compare(loaded: Any, prompt: Any, settings: Any) -> None:
@@ -96,7 +147,7 @@ def syncs_per_token(loaded: Any, prompt: Any, settings: Any) -> float:
 def measure_time(loaded: Any, prompt: Any, settings: Any, repeats: int,
                  say: Callable[[str], None]) -> dict[str, Any]:
     runs: dict[str, list[float]] = {"generate": [], "compare": []}
-    jobs = {"generate": lambda: _generate(loaded, prompt, settings.max_new_tokens),
+    jobs = {"generate": lambda: _threaded_generate(loaded, prompt, settings.max_new_tokens),
             "compare": lambda: _compare(loaded, prompt, settings)}
     for job in jobs.values():  # warm-up
         job()
@@ -174,7 +225,7 @@ def machine() -> dict[str, Any]:
 
     info = {"platform": platform.platform(), "processor": platform.processor() or
             platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__}
+            "torch": torch.__version__, "threads": torch.get_num_threads()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info

@@ -53,6 +53,7 @@ from .results import (
     summarize,
 )
 from .spec import MAX_TOP_K, RunSpec, parse_layers
+from .threads import run_threads
 
 
 class _Host:
@@ -231,7 +232,7 @@ def iter_token_patches(
         passes.lens.extra_tokens = tuple(int(t) for t in lens_tokens)
     history: list[int] = []
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), run_threads(loaded.device):
             for step in range(plan.spec.max_new_tokens):
                 if should_stop is not None and should_stop():
                     return

@@ -153,6 +153,8 @@ class Dynamics:
     prefix_tokens: tuple[str, ...]  # (n,) each prefix's own first generated token
     settings: dict[str, Any]  # the resolved options of the comparison steps
     seconds: dict[str, Any]  # total, and per prefix i = 1..n
+    #: the model (`core.loading.LoadedModel.describe`); empty when unknown
+    model: dict[str, Any] = field(default_factory=dict, compare=False)
     #: P_{l,i} for i = 0..n when kept (`run_dynamics(keep_patches=True)`), else empty
     patches: tuple[Factors, ...] = field(default=(), repr=False, compare=False)
 
@@ -202,6 +204,7 @@ class Dynamics:
             "lens_logit": _json(self.lens_logit),
             "settings": dict(self.settings),
             "seconds": dict(self.seconds),
+            **({"model": dict(self.model)} if self.model else {}),
         }
 
 
@@ -310,7 +313,7 @@ def run_dynamics(loaded: Any, prompt: Prompt, spec: RunSpec,
         prefix_tokens=tuple(answers), settings=plan.spec.to_dict(recorded=True),
         seconds={"total": total, "prefix": [seconds[i] for i in range(1, n + 1)],
                  "mean_prefix": total / n},
-        patches=tuple(kept))
+        model=loaded.describe(), patches=tuple(kept))
 
 
 def dynamics(loaded: Any, spec: RunSpec, progress: Callable[[int, int], None] | None = None,

@@ -39,6 +39,26 @@ def demo_folder(spec: str = "demo") -> Path:
     return cache_dir() / "demo" / DEMOS[spec][0]
 
 
+#: the demo's first use, measured on 2 CPU cores (issue 35 #4: 145 s, a 1.1 GB folder); the
+#: SmolLM2 demo's is scaled by its parameters
+FIRST_USE_SECONDS = 145.0
+
+
+def first_use(spec: str, short: bool = False) -> str | None:
+    """What a demo's first use will do, said before it starts (None: not a demo, or converted
+    already): the size of the folder it writes, where, and about how long it takes (``short``:
+    size and time only, for a label)."""
+    if spec not in DEMOS or (demo_folder(spec) / "model.safetensors").is_file():
+        return None
+    size = f"{DEMOS[spec][1] * 4 / 1e9:.1f} GB"  # (float32)
+    seconds = FIRST_USE_SECONDS * DEMOS[spec][1] / DEMOS["demo"][1]
+    minutes = f"about {seconds / 60:.0f} minutes" if seconds >= 90 else "about a minute"
+    if short:
+        return f"first use: {size}, {minutes}"
+    return (f"first use of {spec}: converting it once into a {size} float32 folder in "
+            f"{demo_folder(spec).parent}, {minutes} on 2 CPU cores (later loads take seconds)")
+
+
 @dataclass(frozen=True)
 class Footprint:
     parameters: int

@@ -20,9 +20,10 @@ import torch
 
 from .adapters import Adapter, adapter_for_config
 from .errors import Cancelled, UserError, mention
-from .footprint import DEMOS, demo_folder
+from .footprint import DEMOS, demo_folder, first_use
 from .offload import execution_device
 from .placement import Placement, no_fit
+from .progress import Stages
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -142,20 +143,29 @@ def _smollm2_gguf(workdir: Path) -> Path:
 _GGUF = {"demo": _gemma_gguf, "smollm2": _smollm2_gguf}
 
 
+#: the first use's stages, weighted by their share of its time (measured on 2 busy CPU cores:
+#: 4, 112, 355, 30, 17 and 25 s; docs/PERFORMANCE.md): join the parts, read the tokenizer, read
+#: the GGUF and build the model, convert its tensors, save, load the saved folder
+FIRST_USE_STAGES = (1.0, 20.0, 62.0, 7.0, 4.0, 6.0)
+LOAD_STAGE = len(FIRST_USE_STAGES) - 1
+
+
 def ensure_demo(progress: ProgressFn | None = None, should_stop: Callable[[], bool] | None = None,
-                spec: str = DEMO) -> Path:
-    """A packaged demo model as a plain folder, converting it once from its GGUF."""
+                spec: str = DEMO, stages: Stages | None = None) -> Path:
+    """A packaged demo model as a plain folder, converting it once from its GGUF; its progress
+    is stages 1 to 5 of `FIRST_USE_STAGES` (``stages``: the caller's, which goes on to load)."""
     folder = demo_folder(spec)
     if _demo_ready(folder):
         return folder
-    report = progress or (lambda message, done, total: None)
+    own = stages is None
+    stages = stages or Stages(progress or (lambda message, done, total: None), FIRST_USE_STAGES)
 
-    def step(message: str, done: int) -> None:
-        """Check for a cancel, then report stage ``done`` of 4 (``done`` -1: the check only)."""
+    def step(message: str, i: int, fraction: float = 0.0) -> None:
+        """Check for a cancel, then report stage ``i`` (-1: the check only)."""
         if should_stop is not None and should_stop():
             raise Cancelled
-        if done >= 0:
-            report(message, done, 4)
+        if i >= 0:
+            stages.stage(i, message, fraction)
 
     from filelock import FileLock, Timeout
 
@@ -167,18 +177,22 @@ def ensure_demo(progress: ProgressFn | None = None, should_stop: Callable[[], bo
             lock.acquire(timeout=1)
             break
         except Timeout:
-            step(f"Waiting for another ctxpatch converting the {spec} model", 0)
+            step(f"waiting for another ctxpatch converting the {spec} model", 0)
     try:
         if _demo_ready(folder):
             return folder
-        return _convert_demo(spec, folder, step, report)
+        said = first_use(spec)
+        _convert_demo(spec, folder, step, said)
+        if own:
+            stages.finish(f"{spec} model ready")
+        return folder
     finally:
         lock.release()
 
 
 @contextmanager
 def _tensor_progress(report: Callable[[int, int], None],
-                     step: Callable[[str, int], None]) -> Iterator[None]:
+                     step: Callable[..., None]) -> Iterator[None]:
     """Report transformers' GGUF conversion tensor by tensor (its own loop shows a tqdm bar on
     the terminal only), and let a cancel stop it between tensors: its ``tqdm`` is replaced for
     the block and restored in ``finally``."""
@@ -200,8 +214,7 @@ def _tensor_progress(report: Callable[[int, int], None],
         gguf.tqdm = real
 
 
-def _convert_demo(spec: str, folder: Path, step: Callable[[str, int], None],
-                  report: ProgressFn) -> Path:
+def _convert_demo(spec: str, folder: Path, step: Callable[..., None], said: str | None) -> Path:
     """Convert a demo's GGUF into ``folder`` (under the caller's lock) through a temporary folder
     of this process's own, renamed into place when whole."""
     import tempfile
@@ -211,13 +224,14 @@ def _convert_demo(spec: str, folder: Path, step: Callable[[str, int], None],
     work = Path(tempfile.mkdtemp(prefix=f".{folder.name}.work-", dir=folder.parent))
     partial = work / "model"
     try:
-        step(f"Preparing the {spec} model (first use only)", 0)
+        step(f"{said or spec}: joining its parts", 0)
         gguf_path = _GGUF[spec](work)
-        step(f"Reading the {spec} tokenizer", 1)
+        step(f"reading the {spec} tokenizer from its GGUF", 1)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        step(f"Dequantizing the {spec} model to float32", 2)
-        with _tensor_progress(lambda i, n: report(
-                f"Converting the {spec} model (first use only): tensor {i} of {n}", i, n), step):
+        step(f"reading the {spec} GGUF and building the model (the longest step; first use "
+             "only)", 2)
+        with _tensor_progress(lambda i, n: step(
+                f"converting the {spec} model to float32: tensor {i} of {n}", 3, i / n), step):
             model = checked_from_pretrained(AutoModelForCausalLM, f"the {spec} model",
                                             str(gguf_path.parent), gguf_file=gguf_path.name,
                                             dtype=torch.float32)
@@ -225,12 +239,11 @@ def _convert_demo(spec: str, folder: Path, step: Callable[[str, int], None],
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        step(f"Saving the converted {spec} model", 3)
+        step(f"saving the converted {spec} model to {folder}", 4)
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
         shutil.rmtree(folder, ignore_errors=True)  # (a half-converted folder of a crash)
         os.replace(partial, folder)
-        report(f"{spec} model ready", 4, 4)
     finally:
         shutil.rmtree(work, ignore_errors=True)  # the GGUF and anything left half-written
     return folder
@@ -264,12 +277,13 @@ def _looks_like_path(spec: str) -> bool:
     return spec.startswith((".", "/", "~", "\\")) or spec.count("/") > 1 or "\\" in spec
 
 
-def _resolve_source(spec: str, progress: ProgressFn | None, should_stop: Any) -> tuple[str, bool]:
+def _resolve_source(spec: str, progress: ProgressFn | None, should_stop: Any,
+                    stages: Stages | None = None) -> tuple[str, bool]:
     """(what to pass to from_pretrained, local_files_only)."""
     if not spec or not spec.strip():
         raise UserError("no model given: use demo, smollm2, a hub id or a model folder")
     if spec in DEMOS:
-        return str(ensure_demo(progress, should_stop, spec)), True
+        return str(ensure_demo(progress, should_stop, spec, stages)), True
     path = Path(spec).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -374,7 +388,10 @@ def _load_model(spec: str, dtype: str, device: str, progress: ProgressFn | None,
 
         found = estimate(spec, dtype)
         placement.check_disk(found.bytes if found is not None else None)
-    source, local_only = _resolve_source(spec, progress, should_stop)
+    # a demo's first use converts it: one forward bar over the conversion and the load
+    stages = (Stages(progress, FIRST_USE_STAGES)
+              if progress is not None and first_use(spec) is not None else None)
+    source, local_only = _resolve_source(spec, progress, should_stop, stages)
     config = load_config(source, local_only, trust_remote_code)
     adapter = adapter_for_config(config)
     text_config = getattr(config, "text_config", None) or config
@@ -384,7 +401,9 @@ def _load_model(spec: str, dtype: str, device: str, progress: ProgressFn | None,
                         "nothing to patch")
     if should_stop is not None and should_stop():
         raise Cancelled
-    if progress:
+    if stages is not None:
+        stages.stage(LOAD_STAGE, f"loading the converted {spec} model")
+    elif progress:
         progress(f"Loading {spec}", 0, 1)
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
@@ -446,7 +465,9 @@ def _load_model(spec: str, dtype: str, device: str, progress: ProgressFn | None,
     else:
         torch_device = execution_device(model)
     model.eval()
-    if progress:
+    if stages is not None:
+        stages.finish(f"Loaded {spec}")
+    elif progress:
         progress(f"Loaded {spec}", 1, 1)
     return LoadedModel(model, tokenizer, adapter, spec, source, torch_dtype, torch_device,
                        processor)

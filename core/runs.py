@@ -119,9 +119,11 @@ def compare(loaded: LoadedModel, spec: RunSpec, picture: Any = None,
 def run_comparison(loaded: LoadedModel, prompt: Prompt, spec: RunSpec,
                    on_step: Callable[[StepResult], None] | None = None,
                    should_stop: Callable[[], bool] | None = None,
-                   plan: RunPlan | None = None) -> Comparison:
+                   plan: RunPlan | None = None,
+                   transfer_progress: Callable[[int, int], None] | None = None) -> Comparison:
     """Plan (`RunPlan.build`, unless the caller did), run every step (``on_step`` after each;
-    ``should_stop`` between layers and tokens) and build the record."""
+    ``should_stop`` between layers and tokens), then the transfer when asked
+    (``transfer_progress(done, total)`` after each of its passes) and build the record."""
     plan = RunPlan.build(loaded, prompt, spec) if plan is None else plan
     steps: list[StepResult] = []
     start = time.perf_counter()
@@ -137,7 +139,7 @@ def run_comparison(loaded: LoadedModel, prompt: Prompt, spec: RunSpec,
 
         try:  # (a stop during the transfer keeps the run, without its transfer)
             transfer = transfer_of(loaded, steps, plan.spec.scope, pixels=prompt.pixels,
-                                   should_stop=should_stop)
+                                   progress=transfer_progress, should_stop=should_stop)
         except Cancelled:
             transfer = None
     record = record_of(loaded.describe(), prompt, plan.spec, steps, plan.report, wall,

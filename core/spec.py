@@ -128,7 +128,8 @@ class RunSpec:
                           label="Method")
     absorb: Absorb = _opt("context", "what the patches absorb: the context (the patched model "
                           "still sees the query) or all of the prompt (it sees only the current "
-                          "token) (default context)", "run", window=True, label="Absorb")
+                          "token) (default context; a fresh window opens on the paper's Mars "
+                          "preset, which absorbs all)", "run", window=True, label="Absorb")
     scope: Scope = _opt("all-positions", "the patches act at every reduced position, or at the "
                         "query token only (default all-positions)", "run", window=True,
                         label="Scope")

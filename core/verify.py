@@ -31,6 +31,7 @@ from .export import patch_step_meta
 from .forward import last_logits, logit_distance, rolled_back, written_
 from .loading import LoadedModel
 from .patchfile import ADVICE, check_header, compare_processor, compare_weights, existing
+from .threads import run_threads
 
 _NAME = re.compile(r"^step\.(\d+)\.(.+?)(?:\[(\d+)\])?\.(u|v|delta)$")
 
@@ -301,7 +302,7 @@ def verify_patches(
     checks: list[StepCheck] = []
     full_run, prefix = _Fed(model, device), _Fed(model, device)
 
-    with torch.inference_mode():
+    with torch.inference_mode(), run_threads(device):  # (a busy CPU: core.threads)
         for t, meta in enumerate(pf.steps):
             if should_stop is not None and should_stop():
                 raise Cancelled

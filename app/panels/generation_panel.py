@@ -70,7 +70,10 @@ class QtGenerationPanel(QWidget):
         self.details = QTextBrowser()
         self.details.setMinimumHeight(120)
         self.details.setLineWrapMode(QTextBrowser.LineWrapMode.NoWrap)  # tables scroll, not wrap
-        self.details.setPlaceholderText("Hover or click a token to see both top-k lists.")
+        self.details.setHtml(HINT)  # (as text: a placeholder hides once a document was set)
+        self.details.setToolTip(LOGIT_SCALE + "\nTVD: half the L1 distance of the two softmaxes. "
+                                "Control: the same model without the context, unpatched.")
+        self.details.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
         panes = QSplitter()
         panes.addWidget(self.baseline)
         panes.addWidget(self.patched)
@@ -101,6 +104,10 @@ class QtGenerationPanel(QWidget):
             self._render()
         if event in ("reset", "selection", "step"):
             self._render_details()
+        if event == "step" and len(self.state.steps) == 1:
+            # room for a token's details from the first token on, so that the first hover
+            # does not shrink the panes (and give them a scroll bar)
+            self._fit_details(step_details_html(self.state.steps[0]))
 
     # -- rendering ------------------------------------------------------------------------------
     def _prefixes(self) -> tuple[str, str]:
@@ -176,7 +183,7 @@ class QtGenerationPanel(QWidget):
     def _render_details(self) -> None:
         i = self.state.selected
         if i is None or i >= len(self.state.steps):
-            self.details.setHtml("")
+            self.details.setHtml(HINT)
             return
         self.details.setHtml(step_details_html(self.state.steps[i]))
         self._fit_details()
@@ -184,12 +191,16 @@ class QtGenerationPanel(QWidget):
     def _on_divider_moved(self, *_: Any) -> None:
         self._sized_by_user = True
 
-    def _fit_details(self) -> None:
-        """Room for the whole detail (every top-k row) without scrolling, when the panes above
-        can give it (they keep at least a few lines), until the user moves the divider."""
+    def _fit_details(self, text: str | None = None) -> None:
+        """Room for the whole detail (every top-k row; ``text``: a detail not shown yet)
+        without scrolling, when the panes above can give it (they keep at least a few lines),
+        until the user moves the divider."""
         if self._sized_by_user:
             return
         doc = self.details.document()
+        if text is not None:
+            doc = doc.clone()
+            doc.setHtml(text)
         doc.adjustSize()
         needed = int(doc.size().height()) + 2 * self.details.frameWidth() + 4
         sizes = self.splitter.sizes()
@@ -207,6 +218,16 @@ class QtGenerationPanel(QWidget):
     def pane_texts(self) -> tuple[str, str]:
         """The two panes' plain text (for tests and copy)."""
         return self.baseline.view.toPlainText(), self.patched.view.toPlainText()
+
+
+#: what the details box says before a token is selected (every run, the first included)
+HINT = ("<p style='color:gray'>Hover or click a generated token: its metrics and top-k lists "
+        "appear here.</p>")
+
+#: "logit scale", explained where it appears (briefly in the text, fully in the tooltip)
+LOGIT_SCALE = ("Logit scale: the largest |logit| of the model with context at this token; the L∞ "
+               "logit differences are read relative to it (in float64 the patched run is exact "
+               "to about 1e-8 of it, PAPER.md).")
 
 
 def _topk_rows(s: Any) -> str:
@@ -243,7 +264,7 @@ def step_details_html(s: Any) -> str:
     )
     return (
         f"<p><b>Token {s.step + 1}</b> (position {s.position}) — {mark}. "
-        f"Logit scale {s.logit_scale:.3g}.</p>"
+        f"Logit scale {s.logit_scale:.3g} (max |logit| with context).</p>"
         f"<table><tr><td valign=top>{metrics}</td><td width=24></td>"
         f"<td valign=top>{topk}</td></tr></table>"
     )

@@ -17,13 +17,14 @@ from typing import Any
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QEvent, QRectF, Qt
+from PySide6.QtCore import QEvent, Qt
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QSpinBox, QVBoxLayout, QWidget
 
 from ...core.geometry import role_of
 from ..state import param_key
-from ..theme import series_colors, style_graphics
-from .lens_panel import COLORMAP, visible
+from ..theme import series_colors, style_bar, style_graphics
+from .heatmap import COLORMAP, cell_under, matrix_image, show_matrix
+from .lens_panel import visible
 from .plots_panel import TokenAxis
 
 NO_GEOMETRY = ("No patch geometry in this run: tick Geometry under Analyses and run again "
@@ -80,15 +81,8 @@ class QtGeometryPanel(QWidget):
         self.layers_plot = self.graphics.addPlot(row=0, col=1)
         self.sigma_plot = self.graphics.addPlot(row=0, col=3,
                                                 axisItems={"bottom": TokenAxis("bottom")})
-        self.token_image = pg.ImageItem(axisOrder="row-major")
-        self.layer_image = pg.ImageItem(axisOrder="row-major")
-        for plot, image in ((self.tokens_plot, self.token_image),
-                            (self.layers_plot, self.layer_image)):
-            plot.addItem(image)
-            plot.invertY(True)  # row 0 on top, as a matrix reads
-            plot.setMenuEnabled(False)
-            image.setColorMap(cmap)
-            image.setLevels((-1.0, 1.0))
+        self.token_image = matrix_image(self.tokens_plot)
+        self.layer_image = matrix_image(self.layers_plot)
         self.tokens_plot.setLabel("bottom", "token")
         self.tokens_plot.setLabel("left", "token")
         self.layers_plot.setLabel("bottom", "layer")
@@ -124,6 +118,7 @@ class QtGeometryPanel(QWidget):
     def _restyle(self) -> None:
         style_graphics(self.graphics, [self.tokens_plot, self.layers_plot, self.sigma_plot],
                        self.palette())
+        style_bar(self.bar, self.palette())
         colour = series_colors(self.palette())["patched"]
         self.sigma_curve.setPen(pg.mkPen(colour, width=2))
         self.sigma_curve.setSymbolBrush(colour)
@@ -215,11 +210,7 @@ class QtGeometryPanel(QWidget):
             return
         gram = as_matrix(entry.get("gram"))
         n = gram.shape[0]
-        self.token_image.setImage(gram, autoLevels=False, levels=(-1.0, 1.0))
-        self.token_image.setRect(QRectF(0.5, 0.5, n, n))
-        for axis in ("bottom", "left"):
-            self.tokens_plot.getAxis(axis).setRange(0.5, n + 0.5)
-        self._frame(self.tokens_plot, 0.5, n + 0.5)
+        show_matrix(self.tokens_plot, self.token_image, gram, first=1)
         self.tokens_plot.setTitle(f"token × token cosine, layer {entry.get('layer')}")
         sigma = np.array([np.nan if s is None else float(s)
                           for s in entry.get("singular_values") or []])
@@ -246,22 +237,14 @@ class QtGeometryPanel(QWidget):
             self.layers_plot.setTitle("layer × layer: no other layer of this shape")
             return
         layers, cos = found
-        self.layer_image.setImage(cos, autoLevels=False, levels=(-1.0, 1.0))
-        self.layer_image.setRect(QRectF(-0.5, -0.5, len(layers), len(layers)))
+        show_matrix(self.layers_plot, self.layer_image, cos, first=0)
         ticks = [(i, str(layer)) for i, layer in enumerate(layers)
                  if i % max(1, -(-len(layers) // 10)) == 0]
         for axis in ("bottom", "left"):
             self.layers_plot.getAxis(axis).setTicks([ticks])
-        self._frame(self.layers_plot, -0.5, len(layers) - 0.5)
         t = self.step.value()
         token = self.tokens[t - 1] if t - 1 < len(self.tokens) else ""
         self.layers_plot.setTitle(f"layer × layer cosine at token {t} {token!r}")
-
-    @staticmethod
-    def _frame(plot: pg.PlotItem, lo: float, hi: float) -> None:
-        """The cells edge to edge; zoom and pan stay inside them."""
-        plot.vb.setLimits(xMin=lo, xMax=hi, yMin=lo, yMax=hi)
-        plot.setRange(xRange=(lo, hi), yRange=(lo, hi), padding=0)
 
     def hover_text(self, plot: str, i: int, j: int) -> str:
         """The cell (row ``i``, column ``j``, from 0) of ``plot`` ("tokens" or "layers") in
@@ -291,11 +274,10 @@ class QtGeometryPanel(QWidget):
         pos = args[0]
         text = ""
         if self.geometry is not None:
-            for name, plot, offset in (("tokens", self.tokens_plot, 1),
-                                       ("layers", self.layers_plot, 0)):
-                if plot.sceneBoundingRect().contains(pos):  # type: ignore[arg-type]
-                    point = plot.vb.mapSceneToView(pos)
-                    text = self.hover_text(name, int(round(point.y())) - offset,
-                                           int(round(point.x())) - offset)
+            for name, plot, first in (("tokens", self.tokens_plot, 1),
+                                      ("layers", self.layers_plot, 0)):
+                cell = cell_under(plot, pos, first)  # type: ignore[arg-type]
+                if cell is not None:
+                    text = self.hover_text(name, *cell)
         self.readout.setText(text or HINT)
         self.graphics.setToolTip(text)

@@ -101,6 +101,10 @@ class QtInputPanel(QGroupBox):
         buttons.addWidget(self.cancel)
         layout.addLayout(buttons)
         self.preset.activated.connect(self._on_preset)
+        self.preset.setToolTip("The paper's prompts and two examples; the box names the preset "
+                               "loaded until its context or query is edited")
+        for edit in (self.context, self.query):
+            edit.textChanged.connect(self._on_prompt_edited)
         self.run.clicked.connect(self.run_requested)
         self.cancel.clicked.connect(self.cancel_requested)
         self.image_button.clicked.connect(self.choose_image)
@@ -170,8 +174,21 @@ class QtInputPanel(QGroupBox):
         self.set_image(resources.sample_image_path() if preset.get("image") == "sample" else "")
         if "chat_template" in preset and self.chat_template.isEnabled():
             self.chat_template.setChecked(bool(preset["chat_template"]))
-        self.preset.setCurrentIndex(0)
+        self.preset.setCurrentIndex(index)  # (named until the prompt is edited)
         self.preset_chosen.emit(preset)
+
+    def choose_preset(self, i: int) -> None:
+        """Load preset ``i`` (0-based) as if chosen in the box."""
+        self._on_preset(i + 1)
+
+    def _on_prompt_edited(self) -> None:
+        index = self.preset.currentIndex()
+        if index <= 0:
+            return
+        preset = self.presets[index - 1]
+        if (self.context.toPlainText() != preset.get("context", "")
+                or self.query.toPlainText() != preset.get("query", "")):
+            self.preset.setCurrentIndex(0)  # no longer that preset
 
     def set_busy(self, busy: bool) -> None:
         self.run.setEnabled(not busy)

@@ -38,6 +38,7 @@ from PySide6.QtGui import (
     QPainter,
     QPaintEvent,
     QPen,
+    QTextOption,
 )
 from PySide6.QtWidgets import (
     QAbstractItemView,
@@ -57,11 +58,9 @@ from PySide6.QtWidgets import (
 )
 
 from ..theme import OKABE_ITO, style_graphics
+from .heatmap import COLORMAP  # (blue: the layer lowers the emitted token's logit, red: raises)
 from .plots_panel import TokenAxis
 
-#: the diverging colour map of the grid (blue: the layer lowers the emitted token's logit, red:
-#: it raises it), centred at 0
-COLORMAP = "CET-D1"
 PART_NAMES = {"total": "total", "mixer": "mixer", "mlp": "MLP"}
 #: why a part is None in a record (`core.lens.Lens.deltas`)
 UNDEFINED = ("not defined in this layer: the block changes its output after v + branch (as "
@@ -242,6 +241,9 @@ class QtLensPanel(QWidget):
         caption.setWordWrap(True)
         self.details = QTextBrowser()
         self.details.setOpenLinks(False)
+        # words are never broken (Qt's default breaks them anywhere when a column is narrow:
+        # "internatio|nalization"); a list wider than the view scrolls
+        self.details.setWordWrapMode(QTextOption.WrapMode.WordWrap)
         self.graphics = pg.GraphicsLayoutWidget()
         self.bars = self.graphics.addPlot(row=0, col=0, axisItems={"bottom": TokenAxis("bottom")})
         self.bars.setLabel("bottom", "layer")

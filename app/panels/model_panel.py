@@ -41,6 +41,10 @@ ANALYSES = {
              "vocabulary (the Context lens tab; one more reduced pass per token)"),
     "geometry": ("Geometry", "Patch geometry: how the patches align across tokens and layers, "
                  "and their rank (the Geometry tab; keeps every token's patch vectors)"),
+    "transfer": ("Transfer", "Transfer: each token's patches applied at every other token, "
+                 "the retained effect R (the Transfer tab; T batched passes after the run, "
+                 "T the tokens; keeps every token's patch vectors; with a Gemma-style model "
+                 "use method stable)"),
 }
 
 
@@ -108,6 +112,8 @@ class QtModelPanel(QGroupBox):
         self.footprint.setWordWrap(True)
         self.loaded_label = QLabel("not loaded")
         self.loaded_label.setWordWrap(True)
+        # two lines, always shown whole (the form gave a wrapped label one line's height)
+        self.loaded_label.setMinimumHeight(2 * self.fontMetrics().lineSpacing() + 2)
         self.method = _combo(METHODS)
         self.absorb = _combo(ABSORB)
         self.scope = _combo(SCOPES)

@@ -51,7 +51,8 @@ class QtPatchPanel(QWidget):
         self.bar = pg.ColorBarItem(values=(0, 1), colorMap="viridis", label="log10 norm",
                                    interactive=False)
         self.bar.setImageItem(self.image, insert_in=self.heat_plot)
-        self.cursor = pg.InfiniteLine(angle=90, movable=False, pen=pg.mkPen((255, 80, 80), width=1))
+        # the selected token: its column outlined and lightly shaded (a 1-px line was lost)
+        self.cursor = pg.LinearRegionItem(values=(0.5, 1.5), movable=False)
         self.cursor.setVisible(False)
         self.heat_plot.addItem(self.cursor, ignoreBounds=True)
         self.profile = self.graphics.addPlot(row=1, col=0,
@@ -95,7 +96,11 @@ class QtPatchPanel(QWidget):
         self.profile_curve.setPen(pg.mkPen(colors["patched"], width=2))
         self.profile_curve.setSymbolBrush(colors["patched"])
         self.profile_curve.setSymbolPen(pg.mkPen(colors["patched"]))
-        self.cursor.setPen(pg.mkPen(colors["cursor"], width=1.5))
+        shade = pg.mkColor(colors["cursor"])
+        shade.setAlpha(50)
+        self.cursor.setBrush(shade)
+        for line in self.cursor.lines:
+            line.setPen(pg.mkPen(colors["cursor"], width=2.5))
 
     def _on_param(self, text: str) -> None:
         if text and text != self.state.param:
@@ -141,6 +146,9 @@ class QtPatchPanel(QWidget):
             self.param.blockSignals(True)
             self.param.clear()
             self.param.blockSignals(False)
+        if event in ("reset", "view"):  # (the readout named the previous parameter's cell)
+            self.readout.setText(HOVER_HINT)
+            self.graphics.setToolTip("")
         if event in ("reset", "step", "view", "finished"):
             self._sync_params()
             self._update_heatmap()
@@ -195,7 +203,7 @@ class QtPatchPanel(QWidget):
         self.profile.setLabel("left", f"log10 {label}")
         self.profile.setTitle(f"token {i + 1}: per-layer profile")
         self.cursor.setVisible(self.state.selected is not None)
-        self.cursor.setValue(i + 1)
+        self.cursor.setRegion((i + 0.5, i + 1.5))
 
     def heatmap_shape(self) -> tuple[int, int]:
         img = self.image.image

@@ -90,6 +90,23 @@ def shown_ticks(axis: pg.AxisItem) -> list[str]:
     return labels
 
 
+def legend_name(label: str) -> str:
+    """An overlaid run in the legend: its number ("#2"), and "other prompt" when its label says
+    so; a long legend would widen the plots past the window."""
+    number = label.split(" ", 1)[0]
+    return number + (" · other prompt" if label.endswith("other prompt") else "")
+
+
+def token_label(step: Any) -> str:
+    """The selected token in words beside its cursor: number and text, and the patched model's
+    token where it differs."""
+    base = step.baseline_text.replace("\n", "↵")
+    text = f" {step.step + 1}: {base!r}"
+    if not step.patched.match:
+        text += f" → {step.patched.text.replace(chr(10), '↵')!r}"
+    return text.replace("{", "{{").replace("}", "}}")  # (the label formats its text)
+
+
 class QtPlotsPanel(QWidget):
     def __init__(self, state: RunState, parent: QWidget | None = None,
                  point_size: float | None = None) -> None:
@@ -147,7 +164,11 @@ class QtPlotsPanel(QWidget):
                 [], [], symbol="s", symbolSize=5 if lines else 11, name=LEGEND["control"])
             self.marks[metric] = plot.plot([], [], pen=None, symbol="x", symbolSize=12,
                                            symbolBrush=None, name=LEGEND["mismatch"])
-            cursor = pg.InfiniteLine(angle=90, movable=False)
+            # the top plot's cursor names its token (the axes count tokens; this says which)
+            cursor = (pg.InfiniteLine(angle=90, movable=False, label="",
+                                      labelOpts={"position": 0.9, "anchors": [(0, 0.5),
+                                                                              (0, 0.5)]})
+                      if metric == "linf" else pg.InfiniteLine(angle=90, movable=False))
             cursor.setVisible(False)
             plot.addItem(cursor, ignoreBounds=True)
             self.cursors[metric] = cursor
@@ -193,6 +214,7 @@ class QtPlotsPanel(QWidget):
             self.curves[(metric, "control")].setSymbolPen(pg.mkPen(control, width=1.5))
             self.marks[metric].setSymbolPen(pg.mkPen(colors["mismatch"], width=2.5))
             self.cursors[metric].setPen(pg.mkPen(colors["cursor"], width=1.5))
+        self.cursors["linf"].label.setColor(palette.text().color())
         for k, (_, item) in enumerate(self._overlay_items):
             item.setPen(self._overlay_pen(item.opts.get("overlay_index", k)))
         self._align_axes()
@@ -288,6 +310,12 @@ class QtPlotsPanel(QWidget):
             cursor.setVisible(i is not None)
             if i is not None:
                 cursor.setValue(i + 1)
+        if i is not None and i < len(self.state.steps):
+            self.cursors["linf"].label.setFormat(token_label(self.state.steps[i]))
+
+    def cursor_label(self) -> str:
+        """What the cursor's label says (for tests)."""
+        return str(self.cursors["linf"].label.toPlainText())
 
     def _overlay_pen(self, k: int) -> Any:
         colors = self._colors["overlays"]
@@ -319,8 +347,8 @@ class QtPlotsPanel(QWidget):
                     item = pg.PlotDataItem(x, y, pen=pen)
                 item.opts["overlay_index"] = k
                 self.plots[metric].addItem(item)
-                if metric == "linf":
-                    self.legend.addItem(item, html.escape(label))
+                if metric == "linf":  # (the run's number: its settings are in the table)
+                    self.legend.addItem(item, html.escape(legend_name(label)))
                 self._overlay_items.append((self.plots[metric], item))
         self.legend.updateSize()
         self.legend_row.layout.setRowFixedHeight(0, self.legend.height() + 4)

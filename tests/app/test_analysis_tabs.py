@@ -143,6 +143,39 @@ def test_a_part_left_undefined_says_so_and_is_not_drawn(qtbot: Any,
     assert f"not defined in layer(s) {gone}" in panel.bars.titleLabel.text
 
 
+def _lines(document: Any) -> list[str]:
+    """Every laid-out line of a document's text (table cells included), as drawn."""
+    out = []
+    block = document.begin()
+    while block.isValid():
+        layout, text = block.layout(), block.text()
+        for i in range(layout.lineCount()):
+            line = layout.lineAt(i)
+            out.append(text[line.textStart():line.textStart() + line.textLength()])
+        block = block.next()
+    return out
+
+
+def test_the_pinned_list_never_breaks_a_long_word(qtbot: Any, record: dict[str, Any]) -> None:
+    long = " internationalization"
+    changed = copy.deepcopy(record)
+    for step in changed["analysis"]["lens"]["steps"]:
+        for parts in step["layers"].values():
+            for part in parts.values():
+                part["promoted"][0][0] = long
+    panel = QtLensPanel()
+    qtbot.addWidget(panel)
+    panel.resize(700, 400)  # the details pane narrower than its three columns need
+    panel.show()
+    panel.set_record(changed)
+    panel.grid.setCurrentCell(0, 0)
+    qtbot.wait(10)
+    lines = _lines(panel.details.document())
+    whole = [line for line in lines if "internationalization" in line]
+    assert len(whole) == 3  # (total, mixer and MLP: each on one line)
+    assert not any(line.rstrip().endswith(("internatio", "internationali")) for line in lines)
+
+
 def test_the_bars_show_the_selected_tokens_parts_and_the_arrows_move(
         qtbot: Any, lens: QtLensPanel, record: dict[str, Any]) -> None:
     layers = _layers(record)
@@ -211,7 +244,20 @@ def test_without_the_analyses_each_tab_says_how_to_get_it(
 
 
 def test_the_analyses_reach_the_run_fill_the_tabs_and_are_saved(
-        qtbot: Any, keep: Any, settings: Any, tiny_model_dir: str, tmp_path: Path) -> None:
+        qtbot: Any, keep: Any, settings: Any, tiny_model_dir: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import ctxpatch.core.analysis as analysis
+
+    threads: list[bool] = []  # per call of analysis_section: on the GUI (main) thread?
+    real = analysis.analysis_section
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread() is threading.main_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(analysis, "analysis_section", watched)
     w = open_window(keep, settings, tiny_model_dir, "Alice lives in Paris.",
                     "Where does Alice live?", tokens=2)
     assert not any(box.isChecked() for box in w.model_panel.analyses.values())  # off by default
@@ -222,6 +268,7 @@ def test_the_analyses_reach_the_run_fill_the_tabs_and_are_saved(
     assert sorted(w.state.started.settings["analyze"]) == ["geometry", "lens"]  # the RunSpec's
     record = w.current_record()
     assert set(record["analysis"]) == {"lens", "geometry"}
+    assert threads == [False]  # computed once, on the worker: never on the GUI thread
     assert w.lens.grid.rowCount() == 4 and w.lens.grid.columnCount() == 2
     assert w.lens.cell(0, 0).text() == visible(_total(record, 0, 0)["promoted"][0][0])
     assert w.geometry.selected_name() in record["analysis"]["geometry"]["params"]

@@ -79,11 +79,10 @@ def test_settings_are_a_readable_table_and_pages_keep_headings_with_what_follows
     from ctxpatch.app.report import (
         FIGURE_PT,
         PLOT_SIZE,
-        heading_pages,
-        keep_with_next,
         plot_images,
         report_document,
     )
+    from ctxpatch.app.report_print import heading_pages, keep_with_next
     from ctxpatch.core.record import read_record
     from PySide6.QtCore import QSizeF
 

@@ -32,7 +32,8 @@ def _compare(model: str, out: Path, *extra: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def analysed(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """A tiny model's run with the lens and the geometry (3 tokens, 4 layers)."""
+    """A tiny model's run with every analysis: the lens, the geometry and the transfer (3
+    tokens, 4 layers; tests/app/test_report_transfer.py reads the transfer's section)."""
     return _compare(tiny_model_dir, tmp_path_factory.mktemp("analysed") / "run.json",
                     "--analyze", "all")
 
@@ -64,7 +65,7 @@ def test_the_sections_carry_the_records_numbers(qtbot: Any, analysed: dict[str, 
     text, _ = _report(analysed, tmp_path)
     assert text.index("<h2>Plots</h2>") < text.index("<h2>Context lens</h2>") < text.index(
         "<h2>Patch geometry</h2>")
-    assert text.count("data:image/png;base64,") == 4 + 1 + len(ROLES)
+    assert text.count("data:image/png;base64,") == 4 + 1 + len(ROLES) + 1  # (+ the transfer)
     # the table: per token, its three strongest layers, in order, with the record's values
     rows = _lens_rows(text)
     steps = analysed["analysis"]["lens"]["steps"]
@@ -104,7 +105,7 @@ def test_the_figures_are_written_as_png_and_svg_and_centred(qtbot: Any, analysed
 
     _, plots = _report(analysed, tmp_path)
     names = sorted(p.name for p in plots.iterdir())
-    added = sorted(f"{n}.{e}" for n in ("lens", *(f"geometry-{r}" for r in ROLES))
+    added = sorted(f"{n}.{e}" for n in ("lens", *(f"geometry-{r}" for r in ROLES), "transfer")
                    for e in ("png", "svg"))
     assert names == sorted(PLAIN_PLOTS + added)
     for name, size in (("lens", LENS_SIZE), *((f"geometry-{r}", GEOMETRY_SIZE) for r in ROLES)):
@@ -197,12 +198,11 @@ def test_the_pdf_keeps_the_sections_headings_with_what_follows(qtbot: Any,
                                                                tmp_path: Path) -> None:
     from ctxpatch.app.report import (
         PDF_DPI,
-        heading_pages,
-        keep_with_next,
         plot_images,
         report_document,
         write_report,
     )
+    from ctxpatch.app.report_print import heading_pages, keep_with_next
     from ctxpatch.core.record import read_record
     from PySide6.QtCore import QMarginsF
     from PySide6.QtGui import QPageLayout, QPageSize

@@ -59,7 +59,8 @@ def test_a_zero_coordinate_of_h_is_counted_and_breaks_exactness() -> None:
     assert result[3]["div_by_one_steps"] == TOKENS and result[3]["div_by_one_coordinates"] == TOKENS
     assert all(result[i]["div_by_one_steps"] == 0 for i in (0, 1, 2))
     assert max(s.patched.linf / s.logit_scale for s in steps) > 1e-4
-    assert "layer 3: div by one steps 4" in summary_lines(plan(gemma, settings), result)[-1]
+    assert ("conditions: failed in 1 layer(s): layer 3: N(h)_j = 0 at 4 token(s) (divided by one)"
+            == summary_lines(plan(gemma, settings), result)[-1])
 
 
 def test_a_frozen_scale_flags_shifts_beyond_its_bound() -> None:

@@ -31,11 +31,11 @@ def test_two_processes_convert_the_demo_once(tmp_path: Path) -> None:
     for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-2000:]
         assert "folder" in out
-    conversions = sum(out.count("Dequantizing") for out, _ in outs)
+    conversions = sum(out.count("reading the demo GGUF") for out, _ in outs)
     assert conversions == 1, [out for out, _ in outs]
     # the conversion reports tensor by tensor (issue 20: no silent minutes behind a bar)
-    converting = next(out for out, _ in outs if "Dequantizing" in out)
-    assert "(first use only): tensor 1 of " in converting
+    converting = next(out for out, _ in outs if "reading the demo GGUF" in out)
+    assert "to float32: tensor 1 of " in converting
     last = [line for line in converting.splitlines() if ": tensor " in line][-1]
     i, n = last.rsplit("tensor ", 1)[1].split(" of ")
     assert int(i) == int(n) > 100

@@ -139,6 +139,48 @@ def test_shares_sum_to_one(run) -> None:  # type: ignore[no-untyped-def]
     assert repr(d.answer[1]) in lines[0] and len(lines) == 3 + min(5, n)  # (as repr)
 
 
+def test_the_record_reads_back(run) -> None:  # type: ignore[no-untyped-def]
+    """The JSON record (what a session stores) rebuilds the same numbers, NaN included."""
+    from ctxpatch.core.dynamics_record import read_dynamics
+
+    d = run[3]
+    record = json.loads(json.dumps(d.to_dict()))
+    back = read_dynamics(record)
+    for name in ("norm", "increment", "lens", "attribution", "attribution_by_layer",
+                 "lens_logit"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(d, name))
+    assert (back.context_tokens, back.answer, back.layers) == (d.context_tokens, d.answer,
+                                                                d.layers)
+    assert back.model["class"] == type(run[0].model).__name__
+    first = str(d.layers[0])
+    record["layers"][first]["lens_logit"][1] = None  # (a NaN, as JSON writes it)
+    assert math.isnan(read_dynamics(record).lens[0, 1])
+
+
+def test_a_damaged_record_is_one_line(run) -> None:  # type: ignore[no-untyped-def]
+    from ctxpatch.core.dynamics_record import read_dynamics
+    from ctxpatch.core.errors import UserError
+
+    good = json.loads(json.dumps(run[3].to_dict()))
+    first = next(iter(good["layers"]))
+
+    def broken(change) -> str:  # type: ignore[no-untyped-def]
+        record = json.loads(json.dumps(good))
+        change(record)
+        with pytest.raises(UserError) as caught:
+            read_dynamics(record, "the file x.json")
+        message = str(caught.value)
+        assert "\n" not in message and message.startswith("the file x.json is ")
+        return message
+
+    assert "not a context-dynamics record" in broken(lambda r: r.update(schema="other/1"))
+    assert f"layers.{first}.norm" in broken(lambda r: r["layers"][first]["norm"].pop())
+    assert "increment" in broken(lambda r: r["layers"][first].update(increment="x"))
+    assert "prefix_tokens" in broken(lambda r: r["prefix_tokens"].append("y"))
+    assert "context_ids" in broken(lambda r: r.update(context_ids=[]))
+    assert "answer" in broken(lambda r: r.pop("answer"))
+
+
 def test_the_lens_reads_extra_tokens_exactly() -> None:
     """The lens's readout of given tokens (what dynamics reads the answer with) equals the
     promoted tokens' own logits, and leaves the emitted token's first."""
@@ -197,6 +239,11 @@ def test_cli_bad_inputs(capsys: pytest.CaptureFixture[str], folder: Path) -> Non
                                       "--image", "x.png"])
     assert "--max-new-tokens" in _err(capsys, [*m, "--context", "A fox.", "--query", "Hi",
                                                "--max-new-tokens", "3"])
+    # --report: checked like --json against the inputs, before the model loads
+    ok = [*m, "--context", "A fox.", "--query", "Hi"]
+    assert "would overwrite" in _err(capsys, [*ok, "--report", str(folder / "config.json")])
+    assert ".html or .pdf" in _err(capsys, [*ok, "--report", "out.txt"])
+    assert "name the same file" in _err(capsys, [*ok, "--json", "r.html", "--report", "r.html"])
 
 
 def test_cli_json_contract(capsys: pytest.CaptureFixture[str], folder: Path,

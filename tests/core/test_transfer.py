@@ -211,3 +211,32 @@ def test_the_command_line_warns_of_direct_on_a_post_norm_scale(tmp_path: Path,
         said[name] = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert len(said["gemma direct"]) == 1 and "--method stable" in said["gemma direct"][0]
     assert said["gemma stable"] == [] and said["llama direct"] == []
+
+
+def test_a_stop_during_the_transfer_keeps_the_run_without_it() -> None:
+    """A stop that comes once every token is done (during the transfer) keeps the run and its
+    other analyses, and no part of the transfer (the window's and the API's cancel)."""
+    from ctxpatch.core.runs import run_comparison
+
+    loaded = tiny_loaded(llama_config(layers=2))
+    prompt = build_prompt(loaded.tokenizer, "Alice lives in Paris.", "Where?")
+    done: list[Any] = []
+    spec = RunSpec(max_new_tokens=TOKENS, analyze=frozenset({"transfer", "geometry"}))
+    run = run_comparison(loaded, prompt, spec, done.append, lambda: len(done) == TOKENS)
+    assert len(run.steps) == TOKENS
+    assert set(run.record["analysis"]) == {"geometry"}
+    check_record(json.loads(json.dumps(run.record)))
+    # the negative control: without the stop the same run holds its transfer
+    whole = run_comparison(loaded, prompt, spec)
+    assert set(whole.record["analysis"]) == {"geometry", "transfer"}
+
+
+def test_the_command_line_says_each_transfer_pass(tmp_path: Path, capsys: Any) -> None:
+    folder = Path(save_tiny_folder(tmp_path / "llama", llama_config(layers=2)))
+    args = ["compare", "--model", str(folder), "--context", "Alice lives in Paris.", "--query",
+            "Where?", "--max-new-tokens", "2"]
+    assert main([*args, "--analyze", "transfer"]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "transfer: pass" in line]
+    assert said == ["transfer: pass (1/2)", "transfer: pass (2/2)"]  # one batched pass a target
+    assert main(args) == 0  # without the transfer: no such line
+    assert "transfer: pass" not in capsys.readouterr().err
