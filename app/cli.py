@@ -177,9 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
     repro.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     repro.add_argument("--max-new-tokens", type=int, default=20,
                        help="tokens per run (default 20, as in the paper)")
-    repro.add_argument("--prompts", type=int, default=5, help="use the first N of the 5 prompts")
+    repro.add_argument("--prompts", default="5", metavar="N|FILE",
+                       help="the first N of the paper's 5 prompts (default 5), or a prompt set: "
+                            "a .jsonl or .csv file of rows with query and optionally context, "
+                            "image, id, or demo-set (34 bundled prompts)")
     repro.add_argument("--dtypes", default="float32,bfloat16",
                        help="precisions to run, separated by commas (default float32,bfloat16)")
+    _set_options(repro)
     repro.add_argument("--image", nargs="?", const="sample", default=None, metavar="FILE",
                        help="add the paper's image run (Figure 5) with FILE, or the bundled "
                             "cat picture when FILE is left out (image+text models)")
@@ -188,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "spread over the model)")
     _compile_parser(sub)
     return parser
+
+
+def _set_options(p: argparse.ArgumentParser) -> None:
+    """reproduce's grid and cluster options (`app.reproduce_set`)."""
+    from .reproduce_set import add_set_arguments
+
+    add_set_arguments(p)
 
 
 def _dynamics_parser(sub: Any) -> None:
