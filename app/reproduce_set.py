@@ -109,7 +109,7 @@ def request(prompts: Any = 5, *, model: str = "demo", out: str | Path = "ctxpatc
             try:
                 parse_layers(spec, None)
             except UserError as exc:
-                raise UserError(f"--layers {spec!r}: {exc}") from None
+                raise UserError(f"--layers {spec!r}: {exc.args[0]}") from None
     if analyze:
         from ..core.spec import _commas
 

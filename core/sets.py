@@ -98,7 +98,7 @@ def check_jobs(jobs: Sequence[Job], rows: Sequence[PromptRow], model: str, token
         except UserError as exc:
             line = lines.get(job.prompt_id)
             at = f"{where}, line {line}" if line else f"prompt {job.prompt_id}"
-            raise UserError(f"{at} ({job.setting}): {exc}") from None
+            raise UserError(f"{at} ({job.setting}): {exc.args[0]}") from None
 
 
 def sweep_jobs(row: PromptRow, dtype: str, absorb: str, layers: Sequence[int],
