@@ -37,6 +37,9 @@ EXAMPLES_BENCH = """examples:
 EXAMPLES_REPRODUCE = """examples:
   ctxpatch reproduce                       # the demo model, into ./ctxpatch-reproduction
   ctxpatch reproduce --model smollm2 --out smol --prompts 2 --sweep 0,15,29
+  ctxpatch reproduce --prompts demo-set --out demo-set --dtypes bfloat16 --sweep none
+  ctxpatch reproduce --prompts my-set.jsonl --absorb all,context --layers all --layers 10: \\
+      --out my-set --ray auto            # rows: {"id", "context", "query", "image"}
 """
 EXAMPLES_DYNAMICS = """examples:
   ctxpatch dynamics --context "Zorblat is a small village in the mountains. It is famous for \\
@@ -169,8 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-memory", action="store_true", help="skip the memory children")
     repro = sub.add_parser(
         "reproduce", help="the paper's experiments: 5 prompts x {direct, stable} x "
-                          "{float32, bfloat16}, absorb all, plus a start-layer sweep; one report",
-        description="Runs resume: each finished run is saved under OUT/runs and reused.",
+                          "{float32, bfloat16}, absorb all, plus a start-layer sweep; one report; "
+                          "or a prompt set of your own with 95%% intervals",
+        description="Runs resume: each finished run is saved under OUT/runs and reused (never "
+                    "mixed with runs made with other options). A prompt set adds bootstrap 95%% "
+                    "intervals per setting: summary.json, summary.csv, prompts.csv.",
         epilog=EXAMPLES_REPRODUCE, formatter_class=argparse.RawDescriptionHelpFormatter)
     repro.add_argument("--model", default="demo", help="hub id, local folder, 'demo' or 'smollm2'")
     repro.add_argument("--out", default="ctxpatch-reproduction", help="output folder")
@@ -188,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="add the paper's image run (Figure 5) with FILE, or the bundled "
                             "cat picture when FILE is left out (image+text models)")
     repro.add_argument("--sweep", default=None,
-                       help="first patched layers to sweep, e.g. '0,4,9' (default: five "
+                       help="first patched layers to sweep, e.g. '0,4,9', or none (default: five "
                             "spread over the model)")
     _compile_parser(sub)
     return parser

@@ -40,18 +40,19 @@ from .worker import Worker
 
 @dataclass(frozen=True)
 class SetDone:
-    """A finished set: its report's path and the statistics per setting (plain data)."""
+    """A finished set's request and runs (plain data; its report is drawn on the GUI thread)."""
 
-    report: str
-    settings: tuple[dict[str, Any], ...]
+    request: Any  # app.reproduce_set.SetRequest
+    run: Any  # app.reproduce_set.SetRun
 
 
 def set_job(req: Any) -> Task:
-    """The set on the worker thread: progress per finished run; a stop keeps what finished."""
+    """The set's runs on the worker thread, progress per finished run; a stop keeps what
+    finished. The report is not drawn here: Qt's widgets live on the GUI thread."""
 
     def job(should_stop: StopFn, progress: ProgressFn) -> Iterator[Any]:
         from ..core.errors import Cancelled
-        from .reproduce_set import check, execute
+        from .reproduce_set import check, run_set
 
         total = len(check(req))  # (every check before any run, as the command line does)
         done = [0]
@@ -62,10 +63,10 @@ def set_job(req: Any) -> Task:
             progress(line, min(done[0], total), total)
 
         try:
-            result = execute(req, say, should_stop)
+            result = run_set(req, say, should_stop)
         except KeyboardInterrupt:
             raise Cancelled from None
-        yield SetDone(str(result.report), tuple(result.statistics["settings"]))
+        yield SetDone(req, result)
 
     return job
 
@@ -82,6 +83,7 @@ class PromptSetDialog(QDialog):
         self.model, self.device = model, device
         self.worker: Worker | None = None
         self.report: str | None = None
+        self._outcome, self._drawing, self._ended = "", False, False
         form = QFormLayout()
         self.prompts = QLineEdit("demo-set")
         self.prompts.setToolTip("a .jsonl or .csv file (query, and optionally context, image, "
@@ -103,7 +105,9 @@ class PromptSetDialog(QDialog):
         form.addRow("Tokens per run:", self.tokens)
         self.progress = QProgressBar()
         self.progress.setFormat("%v / %m runs")
+        self.progress.setRange(0, 1)
         self.progress.setValue(0)
+        self.progress.setTextVisible(False)  # (until the set's size is known)
         self.status = QLabel("Choose a prompt set and press Run (Ctrl+Return).")
         self.status.setWordWrap(True)
         self.log = QPlainTextEdit()
@@ -113,7 +117,9 @@ class PromptSetDialog(QDialog):
         self.table = QTableWidget(0, 5)
         self.table.setHorizontalHeaderLabels(["setting", "prompts", "token match [95% CI]",
                                               "mean TVD [95% CI]", "worst prompts"])
-        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        header.setStretchLastSection(True)
         self.table.verticalHeader().hide()
         self.table.setMinimumHeight(130)
         buttons = QHBoxLayout()
@@ -228,24 +234,41 @@ class PromptSetDialog(QDialog):
     def _on_progress(self, line: str, done: int, total: int) -> None:
         self.log.appendPlainText(line)
         if total:
+            self.progress.setTextVisible(True)
             self.progress.setRange(0, total)
             self.progress.setValue(done)
         self.status.setText(line)
 
     def _on_done(self, item: Any) -> None:
+        from .reproduce_set import write_report
+
         if not isinstance(item, SetDone):
             return
-        self.report = item.report
-        self.report_button.setEnabled(True)
-        self.table.setRowCount(len(item.settings))
-        for i, s in enumerate(item.settings):
+        self.status.setText("Drawing the report…")
+        self.show_statistics(item.run.statistics["settings"])
+        self._drawing = True  # (drawing processes events: the worker's end may arrive)
+        try:
+            self.report = str(write_report(item.request, item.run).report)  # (GUI thread: Qt)
+        except Exception as exc:  # noqa: BLE001 - a report that cannot be written: one line
+            self._failed(f"the report could not be written: {exc}")
+        else:
+            self.report_button.setEnabled(True)
+            self.status.setText(f"Done: the report is {self.report}")
+        finally:
+            self._drawing = False
+        if self._ended:
+            self._on_worker_finished()
+
+    def show_statistics(self, settings: list[dict[str, Any]]) -> None:
+        """Each setting's intervals in the table."""
+        self.table.setRowCount(len(settings))
+        for i, s in enumerate(settings):
             cells = [s["setting"], str(s["prompts"]), _ci(s["match"], True), _ci(s["tvd"]),
                      ", ".join(w["id"] for w in s["worst"][:3])]
             for j, text in enumerate(cells):
                 cell = QTableWidgetItem(text)
                 cell.setFlags(cell.flags() & ~Qt.ItemFlag.ItemIsEditable)
                 self.table.setItem(i, j, cell)
-        self.status.setText(f"Done: the report is {item.report}")
 
     def _failed(self, message: str) -> None:
         self._outcome = "failed"
@@ -258,6 +281,10 @@ class PromptSetDialog(QDialog):
         self.status.setText("Cancelled: the finished runs are kept; Run again resumes the set.")
 
     def _on_worker_finished(self) -> None:
+        self._ended = True
+        if self._drawing:
+            return  # (`_on_done` finishes when its report is drawn)
+        self._ended = False
         self.worker = None
         self.run_button.setEnabled(True)
         self.cancel_button.setEnabled(False)

@@ -204,16 +204,27 @@ def check(req: SetRequest) -> list[Any]:
     return jobs
 
 
-def execute(req: SetRequest, say: Callable[[str], None],
+@dataclass
+class SetRun:
+    """A finished set's runs and numbers, before its report is drawn (plain data: the window's
+    worker hands it to the GUI thread, which draws)."""
+
+    records: dict[str, dict[str, Any]]
+    jobs: list[Any]
+    summary: list[dict[str, Any]]
+    sweep: list[dict[str, Any]]
+    statistics: dict[str, Any]
+
+
+def run_set(req: SetRequest, say: Callable[[str], None],
             should_stop: Callable[[], bool] | None = None,
-            on_record: Callable[[Any, dict[str, Any]], None] | None = None) -> SetResult:
-    """Run the set (and the sweep and the image run), then write the statistics and the
-    report. A stop (``should_stop``, Ctrl+C) raises KeyboardInterrupt with every finished run
+            on_record: Callable[[Any, dict[str, Any]], None] | None = None) -> SetRun:
+    """Run the set (and the sweep and the image run), then write summary.json and the tables;
+    no Qt. A stop (``should_stop``, Ctrl+C) raises KeyboardInterrupt with every finished run
     kept under ``out/runs``."""
     from ..core import experiments as ex
     from ..core.sets import run_jobs, sweep_jobs, write_summary
     from ..core.setstats import set_statistics
-    from .reproduce import write_reproduction
 
     jobs = check(req)
     req.out.mkdir(parents=True, exist_ok=True)
@@ -238,5 +249,20 @@ def execute(req: SetRequest, say: Callable[[str], None],
                                             "rows": [r.to_dict() for r in req.rows]},
             "tokens": req.tokens, "summary": rows, "sweep": sweep_rows}
     write_summary(req.out, data, stats)
-    report = write_reproduction(req, records, rows, sweep_rows, stats, jobs)
-    return SetResult(report, records, rows, stats)
+    return SetRun(records, jobs, rows, sweep_rows, stats)
+
+
+def write_report(req: SetRequest, done: SetRun) -> SetResult:
+    """report.html and plots/ (Qt: on the GUI thread where there is one)."""
+    from .reproduce import write_reproduction
+
+    report = write_reproduction(req, done.records, done.summary, done.sweep, done.statistics,
+                                done.jobs)
+    return SetResult(report, done.records, done.summary, done.statistics)
+
+
+def execute(req: SetRequest, say: Callable[[str], None],
+            should_stop: Callable[[], bool] | None = None,
+            on_record: Callable[[Any, dict[str, Any]], None] | None = None) -> SetResult:
+    """`run_set`, then `write_report`."""
+    return write_report(req, run_set(req, say, should_stop, on_record))

@@ -5,7 +5,7 @@ dtype and runs the (prompt, setting) jobs it is handed, one at a time; each reco
 to the driver, which checks and writes it (`core.experiments.save_record`) the moment it
 arrives, so the driver's folder is the only one written. An actor that dies has its job handed
 to another (a new actor takes its place while the cluster has room); Ctrl+C (or
-``should_stop``) cancels the jobs in flight, ends the actors and keeps every record already
+``should_stop``) ends the actors (their runs in flight with them) and keeps every record already
 written. Ray is an optional extra (``pip install "ctxpatch[cluster]"``), imported here only.
 """
 
@@ -180,12 +180,8 @@ class _Driver:
                     self.say(f"[{done}/{total}] {job.name}: {record_line(record)}")
                     dtype[id(actor)] = job.dtype
                     idle.append(actor)
-        except BaseException:
-            for ref in flight:  # Ctrl+C, a stop, a failure: the cluster's work ends here
-                ray.cancel(ref, force=True)
-            raise
-        finally:
-            for actor in actors:
+        finally:  # done, or Ctrl+C, a stop, a failure: the actors end, and their runs with
+            for actor in actors:  # them (an actor's task cannot be force-cancelled on its own)
                 ray.kill(actor)
 
     def _result(self, ref: Any, job: Job) -> dict[str, Any] | None:
