@@ -85,7 +85,8 @@ def _init(ray: Any, address: str) -> None:
             ray.init(address=address, **kwargs)
     except ConnectionError as exc:
         raise UserError(f"--ray {address}: no Ray cluster answers there ({exc}); start one with "
-                        "ray start --head, or use --ray auto") from None
+                        "ray start --head, or use --ray auto (a cluster that asks for a token: "
+                        "run with RAY_AUTH_MODE=token set)") from None
 
 
 class _Actor:
