@@ -143,3 +143,23 @@ def test_ray_without_ray_says_what_to_install(tiny_model_dir: str, tmp_path: Pat
     assert err == ['ctxpatch: error: --ray needs Ray, which is not installed: '
                    'pip install "ctxpatch[cluster]"']
     assert not (tmp_path / "out").exists()
+
+
+def test_the_python_api_runs_a_set(qtbot: Any, tiny_model_dir: str, tmp_path: Path) -> None:
+    import ctxpatch
+
+    lines: list[str] = []
+    result = ctxpatch.reproduce(str(_set(tmp_path, ROWS[:2])), model=tiny_model_dir,
+                                out=tmp_path / "out", dtypes=["float32"], methods="direct",
+                                max_new_tokens=2, sweep="none", resamples=500, seed=3,
+                                progress=lines.append)
+    assert result.report.is_file() and len(lines) == 2
+    stats = result.statistics
+    assert stats["bootstrap"]["resamples"] == 500 and stats["bootstrap"]["seed"] == 3
+    assert [s["setting"] for s in stats["settings"]] == ["float32-direct"]
+    with pytest.raises(ctxpatch.OptionError, match="line 2: no query"):
+        ctxpatch.reproduce(str(_set(tmp_path, [{"query": "a"}, {"context": "b"}])),
+                           out=tmp_path / "bad")
+    with pytest.raises(ctxpatch.OptionError, match="unexpected keyword argument 'tokens'"):
+        ctxpatch.reproduce(5, out=tmp_path / "bad", tokens=3)
+    assert not (tmp_path / "bad").exists()
