@@ -38,6 +38,9 @@ EXAMPLES_BENCH = """examples:
 EXAMPLES_REPRODUCE = """examples:
   ctxpatch reproduce                       # the demo model, into ./ctxpatch-reproduction
   ctxpatch reproduce --model smollm2 --out smol --prompts 2 --sweep 0,15,29
+  ctxpatch reproduce --prompts demo-set --out demo-set --dtypes bfloat16 --sweep none
+  ctxpatch reproduce --prompts my-set.jsonl --absorb all,context --layers all --layers 10: \\
+      --out my-set --ray auto            # rows: {"id", "context", "query", "image"}
 """
 EXAMPLES_DYNAMICS = """examples:
   ctxpatch dynamics --context "Zorblat is a small village in the mountains. It is famous for \\
@@ -176,25 +179,39 @@ def build_parser() -> argparse.ArgumentParser:
                             "timed runs and stop with them (default 0)")
     repro = sub.add_parser(
         "reproduce", help="the paper's experiments: 5 prompts x {direct, stable} x "
-                          "{float32, bfloat16}, absorb all, plus a start-layer sweep; one report",
-        description="Runs resume: each finished run is saved under OUT/runs and reused.",
+                          "{float32, bfloat16}, absorb all, plus a start-layer sweep; one report; "
+                          "or a prompt set of your own with 95%% intervals",
+        description="Runs resume: each finished run is saved under OUT/runs and reused (never "
+                    "mixed with runs made with other options). A prompt set adds bootstrap 95%% "
+                    "intervals per setting: summary.json, summary.csv, prompts.csv.",
         epilog=EXAMPLES_REPRODUCE, formatter_class=argparse.RawDescriptionHelpFormatter)
     repro.add_argument("--model", default="demo", help="hub id, local folder, 'demo' or 'smollm2'")
     repro.add_argument("--out", default="ctxpatch-reproduction", help="output folder")
     repro.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     repro.add_argument("--max-new-tokens", type=int, default=20,
                        help="tokens per run (default 20, as in the paper)")
-    repro.add_argument("--prompts", type=int, default=5, help="use the first N of the 5 prompts")
+    repro.add_argument("--prompts", default="5", metavar="N|FILE",
+                       help="the first N of the paper's 5 prompts (default 5), or a prompt set: "
+                            "a .jsonl or .csv file of rows with query and optionally context, "
+                            "image, id, or demo-set (34 bundled prompts)")
     repro.add_argument("--dtypes", default="float32,bfloat16",
                        help="precisions to run, separated by commas (default float32,bfloat16)")
+    _set_options(repro)
     repro.add_argument("--image", nargs="?", const="sample", default=None, metavar="FILE",
                        help="add the paper's image run (Figure 5) with FILE, or the bundled "
                             "cat picture when FILE is left out (image+text models)")
     repro.add_argument("--sweep", default=None,
-                       help="first patched layers to sweep, e.g. '0,4,9' (default: five "
+                       help="first patched layers to sweep, e.g. '0,4,9', or none (default: five "
                             "spread over the model)")
     _compile_parser(sub)
     return parser
+
+
+def _set_options(p: argparse.ArgumentParser) -> None:
+    """reproduce's grid and cluster options (`app.reproduce_set`)."""
+    from .reproduce_set import add_set_arguments
+
+    add_set_arguments(p)
 
 
 def _dynamics_parser(sub: Any) -> None:

@@ -261,6 +261,8 @@ class MainWindow(QMainWindow):
                                           lambda: files.export("report"))
         self._action(file, "Export per-token &CSV…", "Ctrl+Shift+E", lambda: files.export("csv"))
         file.addSeparator()
+        self._action(file, "Run a prompt se&t…", "Ctrl+Shift+P", self.run_prompt_set)
+        file.addSeparator()
         self._action(file, "&Quit", QKeySequence.StandardKey.Quit, self.close)
         run = bar.addMenu("&Run")
         self.run_action = self._action(run, "&Run comparison", "Ctrl+Return", self.start_run)
@@ -331,6 +333,17 @@ class MainWindow(QMainWindow):
                    "image": inputs["image"] or None, "max_new_tokens": inputs["max_new_tokens"]}
         job = run_job(self.model, options)  # (checked in the job, as one line)
         self._start(job, "run", "Running…")
+
+    def run_prompt_set(self) -> Any:
+        """File > Run a prompt set…: the set's grid on this window's model and device, in its
+        own dialog (`app.prompt_set_dialog`); returns the dialog."""
+        from .prompt_set_dialog import PromptSetDialog
+
+        key = self.model_panel.key()
+        dialog = PromptSetDialog(self, model=key[0], device=key[2])
+        dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        dialog.show()
+        return dialog
 
     def cancel(self) -> None:
         if self.worker is not None:

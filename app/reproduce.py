@@ -16,7 +16,10 @@ from typing import Any
 from ..core import experiments as ex
 
 
-def _figure4(rows: list[dict[str, Any]], records: dict[str, Any], prompts: int) -> Any:
+def _figure4(rows: list[dict[str, Any]], records: dict[str, Any], jobs: list[Any],
+             stats: dict[str, Any]) -> Any:
+    """Figure 4 per setting: every token's TVD (log scale) with the median (red) and the pooled
+    mean's bootstrap 95% interval (black); the token match rate with its interval."""
     import numpy as np
     import pyqtgraph as pg
 
@@ -25,29 +28,57 @@ def _figure4(rows: list[dict[str, Any]], records: dict[str, Any], prompts: int) 
     ensure_app()
     graphics = pg.GraphicsLayoutWidget()
     graphics.setBackground("w")
-    labels = [(i, f"{r['dtype']} {r['method']}") for i, r in enumerate(rows)]
+    labels = [(i, _short(r)) for i, r in enumerate(rows)]
+    intervals = {s["setting"]: s for s in stats["settings"]}
     tvd_plot = graphics.addPlot(row=0, col=0, title="TVD per token (log scale)")
     tvd_plot.setLogMode(y=True)
     rng = np.random.default_rng(0)
     for i, r in enumerate(rows):
-        tvd = np.array([max(float(s["tvd"]), 1e-12) for p in range(prompts)
-                        for s in records.get(f"{r['dtype']}-{r['method']}-p{p + 1}",
-                                             {"steps": []})["steps"]])
+        tvd = np.array([max(float(s["tvd"]), 1e-12) for j in jobs
+                        if j.setting == r["setting"] and j.name in records
+                        for s in records[j.name]["steps"]])
         x = i + rng.uniform(-0.15, 0.15, len(tvd))
         tvd_plot.plot(x, tvd, pen=None, symbol="o", symbolSize=5,
                       symbolBrush=(40, 110, 220, 120), symbolPen=None)
         med = float(np.median(tvd)) if len(tvd) else math.nan
         tvd_plot.plot([i - 0.3, i + 0.3], [med, med], pen=pg.mkPen((200, 40, 40), width=3))
-    match_plot = graphics.addPlot(row=0, col=1, title="token match rate")
+        _interval(tvd_plot, i + 0.3, intervals.get(r["setting"], {}).get("tvd"), log=True)
+    match_plot = graphics.addPlot(row=0, col=1, title="token match rate (95% interval)")
     match_plot.addItem(pg.BarGraphItem(x=list(range(len(rows))),
                                        height=[r["match_rate"] for r in rows],
                                        width=0.6, brush=(40, 110, 220)))
+    for i, r in enumerate(rows):
+        _interval(match_plot, i, intervals.get(r["setting"], {}).get("match"))
     match_plot.setYRange(0, 1.05)
     for plot in (tvd_plot, match_plot):
         plot.getAxis("bottom").setTicks([labels])
         plot.showGrid(y=True, alpha=0.25)
     _black(graphics, (tvd_plot, match_plot))
     return graphics
+
+
+def _short(row: dict[str, Any]) -> str:
+    extra = [row["absorb"]] if row.get("absorb", "all") != "all" else []
+    extra += [f"L{row['layers']}"] if row.get("layers", "all") != "all" else []
+    return " ".join([row["dtype"].replace("float", "f"), row["method"],
+                     *extra])
+
+
+def _interval(plot: Any, x: float, metric: dict[str, Any] | None, log: bool = False) -> None:
+    """A black bar from the interval's low to its high, a dot at the pooled value."""
+    import numpy as np
+    import pyqtgraph as pg
+
+    if not metric or not all(math.isfinite(metric[k]) for k in ("pooled", "ci_low", "ci_high")):
+        return
+    lo, mid, hi = metric["ci_low"], metric["pooled"], metric["ci_high"]
+    if log:
+        lo, mid, hi = (math.log10(max(v, 1e-12)) for v in (lo, mid, hi))
+    pen = pg.mkPen((0, 0, 0), width=2)
+    plot.addItem(pg.ErrorBarItem(x=np.array([x]), y=np.array([mid]), top=np.array([hi - mid]),
+                                 bottom=np.array([mid - lo]), beam=0.12, pen=pen))
+    plot.plot([x], [10 ** mid if log else mid], pen=None, symbol="d", symbolSize=8,
+              symbolBrush=(0, 0, 0), symbolPen=None)
 
 
 def _black(graphics: Any, plots: Any) -> None:
@@ -145,34 +176,39 @@ def _table(rows: list[list[Any]], header: list[str]) -> str:
     return table(rows, header, cell=_fmt)
 
 
-def write_reproduction(out: Path, model: str, records: dict[str, Any], rows: list[dict[str, Any]],
-                       sweep: list[dict[str, Any]], dtypes: list[str], prompts: int) -> Path:
-    from ..core.export import atomic_write, write_json, write_text
+def write_reproduction(req: Any, records: dict[str, Any], rows: list[dict[str, Any]],
+                       sweep: list[dict[str, Any]], stats: dict[str, Any], jobs: list[Any]
+                       ) -> Path:
+    """report.html and plots/ (PNG and SVG) of a reproduction (`app.reproduce_set.execute`
+    writes summary.json and the tables)."""
+    from ..core.export import atomic_write, write_text
     from ..core.record import read_record
     from .report import _data_uri, plot_images
 
+    out, model, dtypes = req.out, req.model, req.dtypes
     plots = out / "plots"
     plots.mkdir(parents=True, exist_ok=True)
-    images: dict[str, tuple[bytes, bytes]] = {"figure4": _image(_figure4(rows, records, prompts))}
+    images: dict[str, tuple[bytes, bytes]] = {
+        "figure4": _image(_figure4(rows, records, jobs, stats),
+                          (max(1100, 140 * len(rows) * 2), 420))}
     if sweep:
         images["sweep"] = _image(_sweep_figure(sweep))
     if any(name.startswith("image-") for name in records):
         images["figure5"] = _image(_figure5(records, dtypes))
-    for d in dtypes:
-        for m in ex.METHODS:
-            name = f"{d}-{m}-p1"
-            if name in records:
-                images[f"figure3-{name}"] = plot_images(read_record(records[name]))["per-token"]
+    first = req.rows[0].id
+    for r in rows:
+        name = f"{r['setting']}-{first}"
+        if name in records:
+            images[f"figure3-{name}"] = plot_images(read_record(records[name]))["per-token"]
     for name, (png, svg) in images.items():
         for ext, data in (("png", png), ("svg", svg)):
             atomic_write(plots / f"{name}.{ext}",
                          lambda tmp, data=data: Path(tmp).write_bytes(data))
-    write_json(out / "summary.json", {"model": model, "summary": rows, "sweep": sweep})
-    summary = _table([[r["dtype"], r["method"], f"{r['match_rate']:.1%}",
+    summary = _table([[_short(r), f"{r['match_rate']:.1%}",
                        "/".join(map(str, r["per_prompt_matches"])), r["median_tvd"], r["mean_tvd"],
                        r["max_linf"], f"{r['control_match_rate']:.1%}", r["max_abs_scale_patch"],
                        r["seconds"]] for r in rows],
-                     ["dtype", "method", "token match", "matches per prompt", "median TVD",
+                     ["setting", "token match", "matches per prompt", "median TVD",
                       "mean TVD", "max logit L∞", "control match", "max |scale patch|",
                       "seconds"])
     sweep_table = _table([[r["start_layer"], f"{r['matches']}/{r['tokens']}", r["max_linf"],
@@ -184,24 +220,35 @@ def write_reproduction(out: Path, model: str, records: dict[str, Any], rows: lis
                    for name, r in sorted(records.items())],
                   ["run", "matches", "max logit L∞", "median TVD", "control max L∞"])
     figure3 = "".join(
-        f"<h3>{html.escape(name.removeprefix('figure3-'))} (prompt 1)</h3>"
+        f"<h3>{html.escape(name.removeprefix('figure3-'))} (prompt {html.escape(first)})</h3>"
         f"<p><img src=\"{_data_uri(png)}\" width=\"680\"></p>"
         for name, (png, _) in images.items() if name.startswith("figure3-"))
-    prompts_list = "".join(f"<li>{html.escape(p)}</li>" for p in ex.PAPER_PROMPTS[:prompts])
+    if req.paper:
+        prompts_html = ("<ol>" + "".join(f"<li>{html.escape(r.query)}</li>" for r in req.rows)
+                        + "</ol>")
+    else:
+        prompts_html = _table([[r.id, _clip(r.context), _clip(r.query),
+                                Path(r.image).name if r.image else ""] for r in req.rows],
+                              ["id", "context", "query", "image"])
+    title = ("The paper's experiments" if req.paper
+             else f"A prompt set ({len(req.rows)} prompts)")
     page = f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>ctxpatch reproduction</title>
 <style>body {{ font-family: sans-serif; max-width: 62em; margin: 2em auto; }}
 table {{ border-collapse: collapse; }} td, th {{ border: 1px solid #999; padding: 2px 6px; }}
 </style></head><body>
-<h1>The paper's experiments on {html.escape(model)}</h1>
-<p>Absorb <b>all</b> (at every step the patched model sees only the current token at its
-absolute position), greedy, teacher forcing on each precision's own baseline,
-{html.escape(str(records and next(iter(records.values()))['summary']['tokens']))} tokens per
-prompt. Prompts:</p><ol>{prompts_list}</ol>
-<h2>Figure 4: TVD and token match per method and dtype</h2>
+<h1>{html.escape(title)} on {html.escape(model)}</h1>
+<p>Absorb <b>{html.escape(", ".join(req.absorbs))}</b> (with <i>all</i>, at every step the
+patched model sees only the current token at its absolute position), greedy, teacher forcing on
+each precision's own baseline, {req.tokens} tokens per prompt. Prompts
+({html.escape(req.where)}):</p>{prompts_html}
+<h2>Figure 4: TVD and token match per setting</h2>
 <p><img src="{_data_uri(images['figure4'][0])}" width="680"></p>
+<p>Blue dots: every token's TVD; red: their median; black: the pooled mean with its bootstrap
+95% interval (below: the method).</p>
 {summary}
-<h2>Start-layer sweep (prompt 1, {html.escape(dtypes[0])}, direct)</h2>
+{_statistics_html(stats)}
+<h2>Start-layer sweep (prompt {html.escape(first)}, {html.escape(dtypes[0])}, direct)</h2>
 {f'<p><img src="{_data_uri(images["sweep"][0])}" width="680"></p>' if sweep else ''}
 {sweep_table}
 <h2>Figure 3: per-token metrics</h2>
@@ -213,6 +260,35 @@ prompt. Prompts:</p><ol>{prompts_list}</ol>
 """
     write_text(out / "report.html", page)
     return out / "report.html"
+
+
+def _clip(text: str, n: int = 90) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _statistics_html(stats: dict[str, Any]) -> str:
+    """The intervals' table, the per-prompt spread and the worst prompts, with the bootstrap's
+    method, resamples and seed stated."""
+    def ci(m: dict[str, Any], pct: bool = False) -> str:
+        f = (lambda x: f"{x:.1%}") if pct else (lambda x: f"{x:.3g}")
+        if not math.isfinite(m["ci_low"]):
+            return f(m["pooled"])
+        return f"{f(m['pooled'])} [{f(m['ci_low'])}, {f(m['ci_high'])}]"
+
+    b = stats["bootstrap"]
+    rows = [[s["setting"], s["prompts"], s["tokens"], ci(s["match"], True), ci(s["tvd"]),
+             ci(s["linf"]), s["linf"]["max"],
+             f"{s['match']['per_prompt']['min']:.0%} / {s['match']['per_prompt']['median']:.0%}",
+             ", ".join(f"{w['id']} ({w['match']:.0%})" for w in s["worst"][:3])]
+            for s in stats["settings"]]
+    table = _table(rows, ["setting", "prompts", "tokens", "token match [95% CI]",
+                          "mean TVD [95% CI]", "mean logit L∞ [95% CI]", "max logit L∞",
+                          "prompt match min / median", "worst prompts"])
+    return (f"<h2>Statistics over the prompts</h2><p>Pooled over every token of the set's "
+            f"prompts; 95% intervals by a percentile bootstrap that resamples whole prompts "
+            f"with replacement ({b['resamples']} resamples, seed {b['seed']}). The per-prompt "
+            f"spread and the worst prompts (lowest token match, then highest mean TVD) follow; "
+            f"summary.csv and prompts.csv hold every number.</p>{table}")
 
 
 def _figure5_html(records: dict[str, Any], images: dict[str, tuple[bytes, bytes]]) -> str:
@@ -285,46 +361,15 @@ def _check_sweep_range(model: str, sweep: list[int]) -> None:
 
 
 def run(args: Any, say: Any) -> int:
-    from ..core.errors import UserError
+    from .reproduce_set import execute, request_of
 
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file: give a folder (new, or an earlier "
-                        "reproduction's, which resumes)")
-    prompts = args.prompts
-    if not 1 <= prompts <= len(ex.PAPER_PROMPTS):
-        raise UserError(f"--prompts must be between 1 and {len(ex.PAPER_PROMPTS)}")
-    if args.max_new_tokens < 1:
-        raise UserError("--max-new-tokens must be at least 1")
-    sweep = _sweep(args.sweep)
-    if sweep:
-        _check_sweep_range(args.model, sweep)
-    dtypes = list(args.dtypes.split(","))
-    image = None
-    if args.image is not None:
-        from ..core.images import read_image
-        from ..resources import sample_image_path
-
-        image = sample_image_path() if args.image == "sample" else args.image
-        read_image(image)  # a bad file fails before any run
-        _image_model_check(args.model)
-    out.mkdir(parents=True, exist_ok=True)
-    records = ex.run_grid(args.model, out, ex.grid(prompts, dtypes, []), args.max_new_tokens,
-                          args.device, say)
-    num_layers = int(next(iter(records.values()))["model"]["num_layers"])
-    sweep_layers = sweep if sweep is not None else ex.default_sweep(num_layers)
-    if any(x >= num_layers for x in sweep_layers):
-        raise UserError(f"--sweep {args.sweep}: the model has layers 0 to {num_layers - 1}")
-    records.update(ex.run_grid(args.model, out, ex.grid(0, dtypes, sweep_layers),
-                               args.max_new_tokens, args.device, say))
-    if image is not None:
-        records.update(ex.run_grid(args.model, out, ex.image_grid(dtypes), args.max_new_tokens,
-                                   args.device, say, image=image))
-    rows = ex.summary(records, dtypes, prompts)
-    report = write_reproduction(out, args.model, records, rows,
-                                ex.sweep_rows(records, sweep_layers), dtypes, prompts)
-    say(f"wrote {report} (and summary.json, plots/, runs/)")
-    for r in rows:
-        print(f"{r['dtype']:9s} {r['method']:7s} match {r['match_rate']:.1%}  "
-              f"median TVD {r['median_tvd']:.3g}  max L-inf {r['max_linf']:.3g}")
+    req = request_of(args)
+    result = execute(req, say)
+    say(f"wrote {result.report} (and summary.json, summary.csv, prompts.csv, plots/, runs/)")
+    for s in result.statistics["settings"]:
+        m, t = s["match"], s["tvd"]
+        interval = (f" [{m['ci_low']:.1%}, {m['ci_high']:.1%}]" if math.isfinite(m["ci_low"])
+                    else "")
+        print(f"{s['setting']:24s} match {m['pooled']:.1%}{interval}  mean TVD {t['pooled']:.3g}"
+              f"  max L-inf {s['linf']['max']:.3g}")
     return 0

@@ -37,16 +37,26 @@ IMAGE_QUERY = "Describe this image in 10 words."
 
 @dataclass(frozen=True)
 class Job:
+    """One (prompt, setting) run of a reproduction or a prompt set: plain, picklable data (a
+    cluster's actors receive it, `core.cluster`)."""
+
     name: str  # file stem under runs/
     dtype: str
     method: str
     prompt: int  # index into the prompts (-1: the image run)
     layers: str = "all"
+    absorb: str = "all"
+    analyze: tuple[str, ...] = ()
+    context: str = ""
+    query: str | None = None  # None: the paper's prompt number ``prompt``
+    image: str | None = None  # a set row's picture (the paper's image run takes run_grid's)
+    prompt_id: str = ""  # the set row's id (p1..p5 for the paper's prompts)
+    setting: str = ""  # the setting it belongs to (`core.sets.Setting.name`)
 
 
 def grid(prompts: int, dtypes: Sequence[str], sweep: Sequence[int]) -> list[Job]:
-    jobs = [Job(f"{d}-{m}-p{p + 1}", d, m, p) for d in dtypes for m in METHODS
-            for p in range(prompts)]
+    jobs = [Job(f"{d}-{m}-p{p + 1}", d, m, p, prompt_id=f"p{p + 1}", setting=f"{d}-{m}")
+            for d in dtypes for m in METHODS for p in range(prompts)]
     jobs += [Job(f"sweep-s{s}", dtypes[0], "direct", 0, f"{s}:") for s in sweep]
     return jobs
 
@@ -60,19 +70,20 @@ def image_grid(dtypes: Sequence[str]) -> list[Job]:
 _RESOLVED = ("device", "control_row", "chat_template")
 
 
-def _saved(path: Path, spec: Any) -> dict[str, Any] | None:
-    """A finished run's record for ``spec``, or None when missing, unreadable, damaged or made
-    with other options (another model, precision, token count, prompt...): it is then redone."""
+def _saved(path: Path, spec: Any) -> tuple[dict[str, Any] | None, tuple[str, Any, Any] | None]:
+    """(a finished run's record for ``spec``, None); (None, None) when missing, unreadable or
+    damaged (it is then redone); (None, (option, its value there, this value)) when made with
+    other options (another model, precision, token count, prompt...)."""
     from .record import read_record
 
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
         read_record(record, str(path))
     except (OSError, ValueError, UserError):
-        return None
+        return None, None
     settings = record.get("settings")
     if not isinstance(settings, dict) or not record.get("steps"):
-        return None
+        return None, None
     with warnings.catch_warnings():  # a newer writer's keys: not options of this run
         warnings.simplefilter("ignore")
         made = type(spec).from_dict(settings)  # an option an older record lacks: its default
@@ -80,56 +91,120 @@ def _saved(path: Path, spec: Any) -> dict[str, Any] | None:
     def compared(s: Any) -> dict[str, Any]:
         return {k: v for k, v in s.to_dict(recorded=True).items() if k not in _RESOLVED}
 
-    return record if compared(made) == compared(spec) else None
+    was, now = compared(made), compared(spec)
+    if was == now:
+        return record, None
+    key = next(k for k in now if was.get(k) != now[k])
+    return None, (key, was.get(key), now[key])
+
+
+def check_resumable(out: Path, jobs: Sequence[Job], model: str, tokens: int, device: str,
+                    image: str | None = None) -> dict[str, dict[str, Any]]:
+    """The saved runs under ``out/runs`` that these jobs reuse (a missing, unreadable or
+    damaged one is redone).
+
+    Raises:
+        UserError: a saved run of one of the jobs was made with other options (another model,
+            token count, prompt text...): the folder holds another set's runs, never mixed.
+    """
+    records: dict[str, dict[str, Any]] = {}
+    for job in jobs:
+        path = out / "runs" / f"{job.name}.json"
+        if not path.is_file():
+            continue
+        saved, differs = _saved(path, job_spec(job, model, tokens, device, image))
+        if differs:
+            key, was, now = differs
+            raise UserError(f"{path} was made with {key} {was!r}, not {now!r}: a set never "
+                            "mixes runs made with other options; give another --out (or remove "
+                            "that folder's runs/)")
+        if saved is not None:
+            records[job.name] = saved
+    return records
 
 
 def run_grid(model: str, out: Path, jobs: Sequence[Job], tokens: int, device: str = "auto",
              say: Callable[[str], None] = print, should_stop: Callable[[], bool] | None = None,
-             image: str | None = None) -> dict[str, dict[str, Any]]:
-    """Run (or reuse) every job; returns {job name: record}. Image jobs put ``image`` in the
-    context of a chat-template prompt (the model's processor makes its tokens)."""
-    from .export import write_json
-    from .runs import compare, load, prepare
-
-    runs_dir = out / "runs"
-    runs_dir.mkdir(parents=True, exist_ok=True)
-    records: dict[str, dict[str, Any]] = {}
+             image: str | None = None,
+             on_record: Callable[[Job, dict[str, Any]], None] | None = None
+             ) -> dict[str, dict[str, Any]]:
+    """Run (or reuse) every job, one after the other, the model loaded once per dtype (the jobs
+    come grouped by dtype); returns {job name: record}. Image jobs put ``image`` in the context
+    of a chat-template prompt (the model's processor makes its tokens). A saved run made with
+    other options is refused before any run (`check_resumable`); each new record is checked
+    and written the moment its run ends (``on_record`` then), so a stop keeps what finished."""
+    records = check_resumable(out, jobs, model, tokens, device, image)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
     loaded: Any = None
     for i, job in enumerate(jobs):
-        path = runs_dir / f"{job.name}.json"
-        if job.prompt < 0 and image is None:
-            raise UserError("the image runs need a picture")
+        if job.name in records:
+            say(f"[{i + 1}/{len(jobs)}] {job.name}: reusing {out / 'runs' / job.name}.json")
+            continue
         if loaded is not None and str(loaded.dtype).removeprefix("torch.") != job.dtype:
             loaded = None  # free the other precision first
-        spec = job_spec(job, model, tokens, device, image, loaded)
-        saved = _saved(path, spec)
-        if saved is not None:
-            records[job.name] = saved
-            say(f"[{i + 1}/{len(jobs)}] {job.name}: reusing {path}")
-            continue
-        if loaded is None:
-            loaded = load(spec)
-            spec = job_spec(job, model, tokens, device, image, loaded)
-        run = compare(loaded, spec, prepare(spec), should_stop=should_stop)
-        if len(run.steps) < tokens:
-            raise KeyboardInterrupt  # stopped: keep what is saved, redo this run next time
-        record = run.record
-        record["max_abs_scale_patch"] = max_scale_patch(record)
-        write_json(path, record)
+        record, loaded = run_job(job, model, tokens, device, image, loaded, should_stop)
+        save_record(out, job, record)
         records[job.name] = record
-        p = record["summary"]["patched"]
-        say(f"[{i + 1}/{len(jobs)}] {job.name}: match {p['matches']}/{tokens}, "
-            f"max L-inf {p['max_linf']:.3g}")
+        if on_record is not None:
+            on_record(job, record)
+        say(f"[{i + 1}/{len(jobs)}] {job.name}: {record_line(record)}")
     return records
+
+
+def record_line(record: dict[str, Any]) -> str:
+    p = record["summary"]["patched"]
+    return f"match {p['matches']}/{record['summary']['tokens']}, max L-inf {p['max_linf']:.3g}"
+
+
+def run_job(job: Job, model: str, tokens: int, device: str, image: str | None, loaded: Any,
+            should_stop: Callable[[], bool] | None = None) -> tuple[dict[str, Any], Any]:
+    """One job's run on ``loaded`` (the model is loaded first when None); returns its record
+    and the model. A stopped run raises KeyboardInterrupt (it is redone next time)."""
+    from .runs import compare, load, prepare
+
+    if job.prompt < 0 and image is None:
+        raise UserError("the image runs need a picture")
+    spec = job_spec(job, model, tokens, device, image, loaded)
+    picture = prepare(spec)
+    if loaded is None:
+        loaded = load(spec, should_stop=should_stop)
+        spec = job_spec(job, model, tokens, device, image, loaded)
+    run = compare(loaded, spec, picture, should_stop=should_stop)
+    if should_stop is not None and should_stop():
+        raise KeyboardInterrupt  # stopped: keep what is saved, redo this run next time
+    if len(run.steps) < tokens and not (spec.stop_at_eos and run.steps):
+        raise KeyboardInterrupt
+    record = run.record
+    record["max_abs_scale_patch"] = max_scale_patch(record)
+    return record, loaded
+
+
+def save_record(out: Path, job: Job, record: dict[str, Any]) -> Path:
+    """A finished run's record, checked against the schema (`core.record.check_record`) and
+    written atomically under ``out/runs``."""
+    from .export import json_text, write_json
+    from .record import check_record
+
+    check_record(json.loads(json_text(record)), f"the run {job.name}")
+    path = out / "runs" / f"{job.name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, record)
+    return path
 
 
 def job_spec(job: Job, model: str, tokens: int, device: str, image: str | None,
              loaded: Any = None) -> Any:
-    """A job's `RunSpec`: absorb all, greedy, no context; the image run's picture in the
-    context of a chat-template prompt when the model has one (instruct models; known once
-    ``loaded``)."""
+    """A job's `RunSpec`: a set row's context, query and picture with the job's absorb mode
+    and layers; or the paper's grid's (absorb all, greedy, no context), the image run's picture
+    in the context of a chat-template prompt when the model has one (instruct models; known
+    once ``loaded``)."""
     from .spec import RunSpec
 
+    analyze = frozenset(job.analyze)
+    if job.query is not None:  # a prompt set's row
+        return RunSpec(model=model, dtype=job.dtype, device=device, max_new_tokens=tokens,
+                       method=job.method, absorb=job.absorb, layers=job.layers,
+                       context=job.context, query=job.query, image=job.image, analyze=analyze)
     chat = False
     if job.prompt < 0 and loaded is not None:
         from .prompt import has_chat_template
@@ -138,7 +213,7 @@ def job_spec(job: Job, model: str, tokens: int, device: str, image: str | None,
     return RunSpec(model=model, dtype=job.dtype, device=device, max_new_tokens=tokens,
                    method=job.method, absorb="all", layers=job.layers,
                    query=IMAGE_QUERY if job.prompt < 0 else PAPER_PROMPTS[job.prompt],
-                   image=image if job.prompt < 0 else None, chat_template=chat)
+                   image=image if job.prompt < 0 else None, chat_template=chat, analyze=analyze)
 
 
 def max_scale_patch(record: dict[str, Any]) -> float | None:
@@ -156,30 +231,33 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else math.nan
 
 
-def summary(records: dict[str, dict[str, Any]], dtypes: Sequence[str], prompts: int
-            ) -> list[dict[str, Any]]:
-    """Figure 4's numbers: per dtype and method, pooled over the prompts."""
+def summary(records: dict[str, dict[str, Any]], jobs: Sequence[Job]) -> list[dict[str, Any]]:
+    """Figure 4's numbers: per setting (precision, method, absorb mode, layers), pooled over the
+    prompts, settings in the jobs' order."""
+    by_setting: dict[str, list[Job]] = {}
+    for job in jobs:
+        if job.setting and job.name in records:
+            by_setting.setdefault(job.setting, []).append(job)
     rows = []
-    for d in dtypes:
-        for m in METHODS:
-            runs = [records[f"{d}-{m}-p{p + 1}"] for p in range(prompts)
-                    if f"{d}-{m}-p{p + 1}" in records]
-            if not runs:
-                continue
-            steps = [s for r in runs for s in r["steps"]]
-            tvd = [float(s["tvd"]) for s in steps]
-            linf = [float(s["linf"]) for s in steps]
-            scale = [r.get("max_abs_scale_patch") for r in runs]
-            rows.append({
-                "dtype": d, "method": m, "prompts": len(runs), "tokens": len(steps),
-                "match_rate": sum(bool(s["match"]) for s in steps) / len(steps),
-                "per_prompt_matches": [r["summary"]["patched"]["matches"] for r in runs],
-                "median_tvd": _median(tvd), "mean_tvd": statistics.fmean(tvd),
-                "max_tvd": nan_max(tvd), "max_linf": nan_max(linf),
-                "control_match_rate": sum(bool(s["control"]["match"]) for s in steps) / len(steps),
-                "max_abs_scale_patch": max((x for x in scale if x is not None), default=None),
-                "seconds": sum(float(r["summary"]["seconds"]["total"]) for r in runs),
-            })
+    for name, group in by_setting.items():
+        runs = [records[j.name] for j in group]
+        steps = [s for r in runs for s in r["steps"]]
+        tvd = [float(s["tvd"]) for s in steps]
+        linf = [float(s["linf"]) for s in steps]
+        scale = [r.get("max_abs_scale_patch") for r in runs]
+        first = group[0]
+        rows.append({
+            "setting": name, "dtype": first.dtype, "method": first.method,
+            "absorb": first.absorb, "layers": first.layers, "prompts": len(runs),
+            "tokens": len(steps),
+            "match_rate": sum(bool(s["match"]) for s in steps) / len(steps),
+            "per_prompt_matches": [r["summary"]["patched"]["matches"] for r in runs],
+            "median_tvd": _median(tvd), "mean_tvd": statistics.fmean(tvd),
+            "max_tvd": nan_max(tvd), "max_linf": nan_max(linf),
+            "control_match_rate": sum(bool(s["control"]["match"]) for s in steps) / len(steps),
+            "max_abs_scale_patch": max((x for x in scale if x is not None), default=None),
+            "seconds": sum(float(r["summary"]["seconds"]["total"]) for r in runs),
+        })
     return rows
 
 

@@ -39,7 +39,7 @@ from ctxpatch.core import __version__  # noqa: E402
 from ctxpatch.core.errors import Cancelled, UserError  # noqa: E402
 
 __all__ = ["Cancelled", "OptionError", "Run", "UserError", "VerifyResult", "__version__",
-           "compare", "compile", "dynamics", "load", "verify"]
+           "compare", "compile", "dynamics", "load", "reproduce", "verify"]
 
 
 class OptionError(UserError, ValueError):
@@ -357,6 +357,38 @@ def compile(context: str, queries: Any, *, held_out: Any = (), model: Any = "dem
         return compile_context(loaded, context, queries, held_out, rank=rank, ridge=ridge,
                                max_new_tokens=max_new_tokens, say=progress,
                                should_stop=_stop_fn(cancel))
+    except OptionError:
+        raise
+    except UserError as exc:
+        raise OptionError(str(exc)) from None
+
+
+def reproduce(prompts: Any = 5, *, out: str | Path = "ctxpatch-reproduction",
+              model: str = "demo", ray: str | None = None,
+              progress: Callable[[str], None] | None = None, cancel: Any = None,
+              **options: Any) -> Any:
+    """Run a prompt set's grid, as ``ctxpatch reproduce`` does, into ``out`` (runs/, the
+    report, summary.json, summary.csv, prompts.csv; an interrupted set resumes there).
+
+    Args:
+        prompts: the first N of the paper's five prompts, a .jsonl/.csv file of rows (query,
+            optionally context, image, id), or ``"demo-set"``.
+        ray: ``"auto"`` or a Ray cluster's address: the runs go to its actors
+            (``pip install "ctxpatch[cluster]"``).
+        **options: ``dtypes``, ``methods``, ``absorb``, ``layers`` (a spec or a list of them),
+            ``analyze``, ``max_new_tokens``, ``device``, ``sweep`` (layers, or "none"),
+            ``image``, ``resamples``, ``seed`` (strings as on the command line, or lists).
+    Returns:
+        `ctxpatch.app.reproduce_set.SetResult`: ``report`` (its path), ``statistics`` (the
+        intervals per setting), ``summary`` and ``records``. The report is drawn with Qt.
+    """
+    from .app.reproduce_set import execute, request
+
+    try:
+        req = request(prompts, model=model, out=out, ray=ray, **options)
+        return execute(req, progress or (lambda line: None), _stop_fn(cancel))
+    except TypeError as exc:
+        raise OptionError(f"reproduce: {exc}") from None
     except OptionError:
         raise
     except UserError as exc:

@@ -73,7 +73,12 @@ def test_reproduce_s_records_are_the_api_s(folder: Path, tmp_path: Path) -> None
     path.write_text(json.dumps(older))
     ex.run_grid(str(folder), tmp_path, jobs, 2, say=said.append)
     assert "reusing" in said[-1]
-    ex.run_grid(str(folder), tmp_path, jobs, 3, say=said.append)  # another token count
+    # another token count: refused, never mixed into the folder (issue 34), nothing redone
+    from ctxpatch.core.errors import UserError
+
+    with pytest.raises(UserError, match="was made with max_new_tokens 2, not 3"):
+        ex.run_grid(str(folder), tmp_path, jobs, 3, say=said.append)
+    ex.run_grid(str(folder), tmp_path / "other", jobs, 3, say=said.append)
     assert "match 3/3" in said[-1]
 
 
