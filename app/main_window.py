@@ -136,6 +136,7 @@ class MainWindow(QMainWindow):
         self._outcome = ""
         self.last_error = ""
         self.compile_dialog: Any = None  # Run > Compile the context… (made on first use)
+        self._set_dialog: Any = None  # File > Run a prompt set… while it is open
 
         self.model_panel = QtModelPanel()
         self.input_panel = QtInputPanel()
@@ -339,9 +340,15 @@ class MainWindow(QMainWindow):
         own dialog (`app.prompt_set_dialog`); returns the dialog."""
         from .prompt_set_dialog import PromptSetDialog
 
+        if self._set_dialog is not None:  # one set at a time per window: the open one
+            self._set_dialog.show()
+            self._set_dialog.activateWindow()
+            return self._set_dialog
         key = self.model_panel.key()
         dialog = PromptSetDialog(self, model=key[0], device=key[2])
         dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        dialog.destroyed.connect(lambda *_: setattr(self, "_set_dialog", None))
+        self._set_dialog = dialog
         dialog.show()
         return dialog
 
@@ -713,4 +720,6 @@ class MainWindow(QMainWindow):
             self.status_label.setText("Stopping the background job…")
             self.worker.requestInterruption()
             self.worker.wait()
+        if self._set_dialog is not None:  # (a prompt set's thread likewise)
+            self._set_dialog.stop_and_wait()
         super().closeEvent(event)

@@ -297,10 +297,21 @@ class PromptSetDialog(QDialog):
         if self.report:
             QDesktopServices.openUrl(QUrl.fromLocalFile(self.report))
 
-    def closeEvent(self, event: Any) -> None:  # noqa: N802 - Qt's name
+    def stop_and_wait(self) -> None:
+        """Stop a running set and wait for its thread (a QThread destroyed while running takes
+        the process down): the finished runs are kept, the set resumes from them."""
         if self.worker is not None:
             self.worker.requestInterruption()
             self.worker.wait()
+
+    def reject(self) -> None:  # noqa: D102 - Esc: cancel a running set (as Cancel), else close
+        if self.worker is not None:
+            self.cancel()
+            return
+        super().reject()
+
+    def closeEvent(self, event: Any) -> None:  # noqa: N802 - Qt's name
+        self.stop_and_wait()
         super().closeEvent(event)
 
 

@@ -94,3 +94,28 @@ def test_the_window_s_file_menu_opens_it(qtbot: Any, keep: Any, settings: Any,
     d = w.run_prompt_set()
     assert d.isVisible() and d.model == tiny_model_dir
     d.close()
+
+
+def test_esc_while_a_set_runs_cancels_it_and_the_window_keeps_one_dialog(
+        qtbot: Any, keep: Any, settings: Any, tiny_model_dir: str, tmp_path: Path) -> None:
+    """Esc (QDialog.reject) during a set cancels it like Cancel: the dialog, deleted on close,
+    used to go with its running thread, and Qt aborted the process. The window opens one
+    dialog at a time and waits for its set when it closes."""
+    from ctxpatch.app.main_window import MainWindow
+
+    w = MainWindow(model=tiny_model_dir, settings=settings, autoload=False)
+    keep(w)
+    d = w.run_prompt_set()
+    assert w.run_prompt_set() is d
+    prompts = tmp_path / "set.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in ROWS), encoding="utf-8")
+    d.prompts.setText(str(prompts))
+    d.out.setText(str(tmp_path / "out"))
+    d.tokens.setValue(2)
+    d.dtypes[1]["bfloat16"].setChecked(False)
+    with qtbot.waitSignal(d.set_finished, timeout=240_000) as done:
+        d.start()
+        d.reject()
+        assert d.isVisible() and d.worker is not None  # (not closed under its thread)
+    assert done.args == ["cancelled"], d.status.text()
+    w.close()  # (waits for any set; nothing runs now)
