@@ -66,6 +66,11 @@ class SetRequest:
     seed: int = 0
 
 
+#: the most bootstrap resamples (the statistics come after the whole set: an absurd count must
+#: be refused before it, not run out of memory after hours of runs)
+MAX_RESAMPLES = 100_000
+
+
 def request(prompts: Any = 5, *, model: str = "demo", out: str | Path = "ctxpatch-reproduction",
             dtypes: Any = "float32,bfloat16", methods: Any = "direct,stable",
             absorb: Any = "all", layers: Any = None, analyze: Any = None,
@@ -80,6 +85,7 @@ def request(prompts: Any = 5, *, model: str = "demo", out: str | Path = "ctxpatc
     """
     from ..core import promptset
     from ..core.experiments import PAPER_PROMPTS
+    from ..core.outputs import run_inputs
     from ..core.spec import parse_layers
 
     out = Path(out)
@@ -98,6 +104,7 @@ def request(prompts: Any = 5, *, model: str = "demo", out: str | Path = "ctxpatc
         rows, where, paper = promptset.paper_set(n), "the paper's prompts", True
     else:
         rows, where, paper = promptset.read_set(text), text, False
+    _check_out(out, run_inputs(model, image, None if paper else text, *(r.image for r in rows)))
     req = SetRequest(model=model, out=out, rows=rows, where=where, paper=paper,
                      dtypes=_listed(dtypes, "--dtypes", DTYPES),
                      methods=_listed(methods, "--methods", METHODS),
@@ -120,16 +127,37 @@ def request(prompts: Any = 5, *, model: str = "demo", out: str | Path = "ctxpatc
         req.analyze = tuple(sorted(chosen))
     if sweep is not None:
         req.sweep = _sweep(sweep)
-    for name, value, low in (("--resamples", resamples, 100), ("--seed", seed, 0)):
+    for name, value, low, high in (("--resamples", resamples, 100, MAX_RESAMPLES),
+                                   ("--seed", seed, 0, 2**32 - 1)):
         if value is not None:
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise UserError(f"{name} must be a whole number of at least {low}")
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise UserError(f"{name} must be a whole number from {low} to {high:,}")
             setattr(req, name.removeprefix("--"), value)
     if ray is not None:
         from ..core.cluster import check_ray
 
         check_ray(ray)
     return req
+
+
+def _check_out(out: Path, inputs: Sequence[str | None]) -> None:
+    """Refuse an output folder that is, holds or lies inside what the set reads (the prompt
+    set's file, a row's picture, the model's folder or the demo's cache): the set writes
+    summary.csv, prompts.csv, the report and the runs there, over whatever has those names.
+
+    Raises:
+        UserError: one line naming the folder and the input.
+    """
+    from ..core.outputs import _inside, _real
+
+    where = _real(out)
+    for given in inputs:
+        if not given or not Path(given).exists():
+            continue  # (a hub id, "demo" before its first use)
+        path = _real(given)
+        if _inside(path, where) or (path.is_dir() and _inside(where, path)):
+            raise UserError(f"--out {out} would write beside or over {given}, which the set "
+                            "reads: give a folder of its own")
 
 
 def _listed(value: Any, what: str, allowed: Sequence[str]) -> list[str]:

@@ -100,7 +100,7 @@ def _jsonl(text: str, where: str) -> Any:
             continue
         try:
             values = json.loads(line)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # (RecursionError: nested too deep)
             raise UserError(f"{where}, line {n}: not a JSON object ({exc.args[0]})") from None
         if not isinstance(values, dict):
             raise UserError(f"{where}, line {n}: not a JSON object (give "

@@ -163,3 +163,33 @@ def test_the_python_api_runs_a_set(qtbot: Any, tiny_model_dir: str, tmp_path: Pa
     with pytest.raises(ctxpatch.OptionError, match="unexpected keyword argument 'tokens'"):
         ctxpatch.reproduce(5, out=tmp_path / "bad", tokens=3)
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("where", ["the set's folder", "the model's folder", "inside the model"])
+def test_an_output_folder_over_what_the_set_reads_is_refused(
+        tiny_model_dir: str, tmp_path: Path, capsys: Any, where: str) -> None:
+    """The set writes summary.csv, prompts.csv and the runs into --out: a folder that holds the
+    prompt set (a user's prompts.csv was overwritten by the statistics) or is, or lies in, the
+    model's folder is refused before any run, and nothing is written."""
+    prompts = tmp_path / "prompts.csv"
+    with prompts.open("w", encoding="utf-8", newline="") as f:
+        csv.writer(f).writerows([["query"], ["Where does Alice live?"]])
+    kept = prompts.read_bytes()
+    out = {"the set's folder": tmp_path, "the model's folder": Path(tiny_model_dir),
+           "inside the model": Path(tiny_model_dir) / "runs"}[where]
+    before = sorted(p.name for p in out.parent.rglob("*"))
+    assert main(_argv(tiny_model_dir, prompts, out)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "which the set reads: give a folder of its own" in err[0], err
+    assert prompts.read_bytes() == kept and sorted(p.name for p in out.parent.rglob("*")) == before
+
+
+@pytest.mark.parametrize(("option", "value"), [("--resamples", "1000000000"),
+                                               ("--resamples", "99"), ("--seed", "-1")])
+def test_absurd_statistics_options_are_refused_before_any_run(
+        tiny_model_dir: str, tmp_path: Path, capsys: Any, option: str, value: str) -> None:
+    out = tmp_path / "out"
+    assert main(_argv(tiny_model_dir, _set(tmp_path), out, option, value)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{option} must be a whole number from" in err[0], err
+    assert not out.exists()

@@ -149,3 +149,10 @@ def test_worst_prompts_spread_and_degenerate_sets() -> None:
     assert one["match"]["pooled"] == 1.0 and math.isnan(one["match"]["ci_low"])  # nothing to draw
     same = setstats.setting_stats({"a": numbers["a"], "b": numbers["a"]}, resamples=200)
     assert same["tvd"]["ci_low"] == pytest.approx(same["tvd"]["ci_high"])  # agreeing prompts
+
+
+def test_a_line_nested_too_deep_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    (tmp_path / "s.jsonl").write_text('{"query": "a"}\n' + "[" * 100_000 + "\n",
+                                      encoding="utf-8")
+    with pytest.raises(UserError, match=r"s.jsonl, line 2: not a JSON object"):
+        promptset.read_set(tmp_path / "s.jsonl")
