@@ -382,14 +382,24 @@ def reproduce(prompts: Any = 5, *, out: str | Path = "ctxpatch-reproduction",
         `ctxpatch.app.reproduce_set.SetResult`: ``report`` (its path), ``statistics`` (the
         intervals per setting), ``summary`` and ``records``. The report is drawn with Qt.
     """
+    import inspect
+
     from .app.reproduce_set import execute, request
 
+    known = set(inspect.signature(request).parameters) - {"prompts", "model", "out", "ray"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise OptionError(f"reproduce: unknown option {unknown[0]!r} (known: "
+                          f"{', '.join(sorted(known))})")
+    stop = _stop_fn(cancel)
     try:
         req = request(prompts, model=model, out=out, ray=ray, **options)
-        return execute(req, progress or (lambda line: None), _stop_fn(cancel))
-    except TypeError as exc:
-        raise OptionError(f"reproduce: {exc}") from None
+        return execute(req, progress or (lambda line: None), stop)
     except OptionError:
         raise
     except UserError as exc:
         raise OptionError(str(exc)) from None
+    except KeyboardInterrupt:  # (how a set stops: a cancel is `Cancelled`, as elsewhere here)
+        if stop is not None and stop():
+            raise Cancelled("the prompt set was cancelled; its finished runs are kept") from None
+        raise

@@ -160,9 +160,17 @@ def test_the_python_api_runs_a_set(qtbot: Any, tiny_model_dir: str, tmp_path: Pa
     with pytest.raises(ctxpatch.OptionError, match="line 2: no query"):
         ctxpatch.reproduce(str(_set(tmp_path, [{"query": "a"}, {"context": "b"}])),
                            out=tmp_path / "bad")
-    with pytest.raises(ctxpatch.OptionError, match="unexpected keyword argument 'tokens'"):
+    with pytest.raises(ctxpatch.OptionError, match="unknown option 'tokens'"):
         ctxpatch.reproduce(5, out=tmp_path / "bad", tokens=3)
     assert not (tmp_path / "bad").exists()
+    import threading
+
+    stop = threading.Event()
+    stop.set()  # a cancel is `ctxpatch.Cancelled`, as from every other API call (it was a
+    with pytest.raises(ctxpatch.Cancelled):  # KeyboardInterrupt, a BaseException)
+        ctxpatch.reproduce(str(_set(tmp_path, ROWS[:2])), model=tiny_model_dir,
+                           out=tmp_path / "stopped", dtypes="float32", methods="direct",
+                           max_new_tokens=2, sweep="none", cancel=stop)
 
 
 @pytest.mark.parametrize("where", ["the set's folder", "the model's folder", "inside the model"])
