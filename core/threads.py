@@ -61,13 +61,20 @@ def choose_threads(current: int, busy: float | None, cores: int) -> int:
 
 
 def wanted_threads(current: int) -> int:
-    """The thread count a CPU run uses (`ENV`, ``OMP_NUM_THREADS``, else `choose_threads`)."""
+    """The thread count a CPU run uses (`ENV`, ``OMP_NUM_THREADS``, else `choose_threads`).
+
+    Raises:
+        UserError: `ENV` is not ``auto`` or a count from 1 to the cores here.
+    """
     fixed = os.environ.get(ENV, "auto").strip().lower()
-    if fixed != "auto":
-        try:
-            return max(1, int(fixed))
-        except ValueError:
-            return current
+    if fixed not in ("auto", ""):
+        from .errors import UserError
+
+        cores = os.cpu_count() or 1
+        if not fixed.isdigit() or not 1 <= int(fixed) <= cores:
+            raise UserError(f"{ENV}={os.environ[ENV]!r}: give a whole number of threads from 1 "
+                            f"to {cores} (the cores here), or auto")
+        return int(fixed)
     if os.environ.get("OMP_NUM_THREADS"):
         return current
     return choose_threads(current, busy_cores(), os.cpu_count() or current)

@@ -68,3 +68,18 @@ def test_a_run_takes_the_count_and_gives_it_back(monkeypatch: pytest.MonkeyPatch
     seen = [torch.get_num_threads() for _ in iter_token_patches(
         loaded, prompt, RunSpec(max_new_tokens=3, absorb="all"))]
     assert seen == [1, 1, 1] and torch.get_num_threads() == 2
+
+
+@pytest.mark.parametrize("value", ["abc", "2.5", "0", "-1", "100000"])
+def test_a_bad_thread_count_is_one_line(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """A count that is not a whole number of threads from 1 to the cores is refused in one
+    line naming the variable (it was ignored, or passed to torch as 100000 threads)."""
+    import torch
+    from ctxpatch.core.errors import UserError
+
+    monkeypatch.setenv(ENV, value)
+    before = torch.get_num_threads()
+    with pytest.raises(UserError, match=rf"^{ENV}='{value}': give a whole number of threads"):
+        with run_threads(torch.device("cpu")):
+            pass
+    assert torch.get_num_threads() == before
