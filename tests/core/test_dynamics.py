@@ -179,6 +179,9 @@ def test_a_damaged_record_is_one_line(run) -> None:  # type: ignore[no-untyped-d
     assert "prefix_tokens" in broken(lambda r: r["prefix_tokens"].append("y"))
     assert "context_ids" in broken(lambda r: r.update(context_ids=[]))
     assert "answer" in broken(lambda r: r.pop("answer"))
+    # a layer written "01": passed the check, then a KeyError where it was looked up as "1"
+    assert "layers" in broken(lambda r: r.update(layers={f"0{k}": v
+                                                          for k, v in r["layers"].items()}))
 
 
 def test_the_lens_reads_extra_tokens_exactly() -> None:
