@@ -275,9 +275,11 @@ class CompileDialog(QDialog):
 
         if isinstance(item, CompileReady):
             self.show_record(item.record, item.handle)
+            self.window_.files.remember_result()  # (the session's autosave holds it)
         elif isinstance(item, AdapterSaved) and self.record is not None:
             self.record = {**self.record, "adapter": item.folder}
             self.window_.files.compiled = self.record
+            self.window_.files.remember_result()
 
     def job_finished(self, kind: str, outcome: str) -> None:
         """The window's worker ended a "compile" or "adapter" job."""

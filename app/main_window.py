@@ -540,7 +540,7 @@ class MainWindow(QMainWindow):
 
     def _on_dynamics(self, ready: DynamicsReady) -> None:
         self.dynamics.set_record(ready.record)
-        self.files.remember_dynamics()
+        self.files.remember_result()
 
     def _report_run(self, outcome: str) -> None:
         s = self.state.summary()

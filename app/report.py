@@ -479,9 +479,12 @@ the token selected in the window when it wrote the report, else the last.</p>
 
 
 def dynamics_report_html(record: dict[str, Any], images: dict[str, str],
-                         screen: bool = True) -> str:
+                         screen: bool = True, compiled: dict[str, Any] | None = None) -> str:
     """The report of a context-dynamics run alone (``ctxpatch dynamics --report``): its model,
-    settings and context, then the "Context dynamics" section."""
+    settings and context, then the "Context dynamics" section (and, from the window, its
+    compile result's section)."""
+    from .compile_view import compile_html
+
     settings = {k: v for k, v in (record.get("settings") or {}).items()}
     model = record.get("model") or {}
     return f"""<!DOCTYPE html>
@@ -498,7 +501,7 @@ token by token. Made by ctxpatch {_esc(__version__)} on
 <h2>Prompt</h2>
 {_table([("context", settings.get("context", "")), ("query", settings.get("query", ""))],
         ("segment", "text"))}
-{dynamics_html(record, images)}</body></html>
+{dynamics_html(record, images)}{compile_html(compiled, images)}</body></html>
 """
 
 
@@ -561,10 +564,12 @@ def write_compile_report(record: dict[str, Any], path: str | Path,
 
 def write_dynamics_report(record: dict[str, Any], path: str | Path,
                           plot_dir: str | Path | None = None,
-                          inputs: Sequence[str | None] = ()) -> list[Path]:
+                          inputs: Sequence[str | None] = (),
+                          compiled: dict[str, Any] | None = None) -> list[Path]:
     """Write the report of a context-dynamics record (`core.dynamics.Dynamics.to_dict`) alone,
     as `write_report` writes a run's: HTML or PDF, the figures as PNG and SVG in ``plot_dir``,
-    staged and moved into place with the signals held.
+    staged and moved into place with the signals held; ``compiled``: a compile result (the
+    window's), its section too.
 
     Raises:
         UserError: the path cannot be written or names an input, or the record is damaged.
@@ -582,8 +587,10 @@ def write_dynamics_report(record: dict[str, Any], path: str | Path,
     with signals_held():
         ensure_app()
         images = dynamics_images(record, _png, _svg, FIGURE_PT)
+        images.update(compile_images(compiled, _png, _svg, FIGURE_PT))
         return _write_report(path, parent, plot_dir, images, None,
-                             lambda srcs, screen: dynamics_report_html(record, srcs, screen))
+                             lambda srcs, screen: dynamics_report_html(record, srcs, screen,
+                                                                       compiled))
 
 
 def _write_report(path: Path, parent: Path, plot_dir: str | Path | None,

@@ -176,7 +176,8 @@ class WindowFiles:
                 self._say(f"Writing the report {path}…")
                 if record is None and dynamics is not None:  # the context dynamics alone
                     write_dynamics_report(dynamics, target,
-                                          target.with_name(f"{target.stem}_plots"))
+                                          target.with_name(f"{target.stem}_plots"),
+                                          compiled=self.compiled)
                 elif record is None:  # the compilation alone
                     write_compile_report(self.compiled, target,
                                          target.with_name(f"{target.stem}_plots"))
@@ -285,8 +286,9 @@ class WindowFiles:
         self.update_overlays()
         self._say(f"Showing run #{index + 1} (saved; not recomputed)")
 
-    def remember_dynamics(self) -> None:
-        """The Dynamics tab has a new result: autosave the session (it holds it)."""
+    def remember_result(self) -> None:
+        """The Dynamics tab or the Compile dialog has a new result: autosave the session (it
+        holds them)."""
         self._autosave_session()
 
     def _session(self) -> dict[str, Any]:
@@ -492,6 +494,8 @@ class WindowFiles:
             return
         if data.get("dynamics") is None and self._dynamics is not None:
             data = {**data, "dynamics": self._dynamics.record}  # (this window's, kept)
+        if data.get("compile") is None and self.compiled is not None:
+            data = {**data, "compile": self.compiled}  # (likewise)
         if self.history:
             runs = list(data["runs"]) + self.history
             cut = max(0, len(runs) - MAX_RUNS)

@@ -114,7 +114,8 @@ def step_to_dict(s: StepResult) -> dict[str, Any]:
 Int32 = Annotated[int, Field(ge=0, lt=2**31)]  # counts, positions, token ids (Qt and numpy ints)
 TokenId = Annotated[int, Field(ge=-1, lt=2**31)]  # -1: a run without the unpatched control
 Real = float | None  # JSON has no NaN or infinity: the writer stores them as null
-LayerKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,4})$")]  # (as str(int) writes)
+#: a layer number as str(int) writes it ("01" would pass, then miss the lookups by str(layer))
+LayerKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,4})$")]
 #: strict types (no "1.5" for a number, no 1 for a boolean); unknown keys (a newer writer's) kept
 _STRICT = ConfigDict(strict=True, extra="allow")
 

@@ -248,3 +248,24 @@ def test_the_command_line_writes_the_report(tiny_model_dir: str, tmp_path: Path,
                  "--report", str(Path(tiny_model_dir) / "config.json"), "--quiet"])
     assert code == 2 and "would overwrite" in capsys.readouterr().err
     assert sorted(p.name for p in Path(tiny_model_dir).iterdir()) == before
+
+
+def test_a_dynamics_report_of_the_window_keeps_its_compile_result(
+        loaded: Any, record: dict[str, Any], tmp_path: Path) -> None:
+    """The window with dynamics and a compile result but no run: Ctrl+E writes the dynamics
+    report, with the compile section too (it was left out)."""
+    from ctxpatch.app.compile_view import number
+    from ctxpatch.app.report import write_dynamics_report
+    from ctxpatch.core.compile import compile_context
+
+    compiled = compile_context(loaded, CONTEXT, [QUERY], ["Where?"], rank=2, max_new_tokens=1)
+    compiled.evaluate()
+    result = json.loads(json.dumps(compiled.to_dict()))
+    written = write_dynamics_report(record, tmp_path / "d.html", tmp_path / "d_plots",
+                                    compiled=result)
+    page = (tmp_path / "d.html").read_text()
+    assert "<h2>Context dynamics</h2>" in page and "Compiled context" in page
+    assert f"<td>{number(result['held_out'][0]['retained'])}</td>" in page
+    assert any(p.name.startswith("dynamics-") for p in written[1:])
+    write_dynamics_report(record, tmp_path / "alone.html")
+    assert "Compiled context" not in (tmp_path / "alone.html").read_text()
