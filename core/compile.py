@@ -572,15 +572,37 @@ def save_adapter(loaded: LoadedModel, deltas: Sequence[LayerDelta], rank: int, f
                 if own.rsplit(".", 1)[0] == module:
                     value = p.detach().double() + (d.double() if own == pname else 0.0)
                     tensors[f"base_model.model.{own}"] = value.to(p.dtype).cpu().contiguous()
+    import os
+    import shutil
+    import tempfile
+
+    from .export import signals_held
+
     out = Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    config = LoraConfig(r=rank, lora_alpha=rank, target_modules=targets, lora_dropout=0.0,
-                        modules_to_save=sorted(saved) or None, bias="none",
-                        fan_in_fan_out=loaded.adapter.transposed, task_type="CAUSAL_LM",
-                        base_model_name_or_path=loaded.source)
-    config.save_pretrained(str(out))
-    save_file({k: v.contiguous() for k, v in tensors.items()},
-              str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # staged beside the folder and moved in whole: a crash, Ctrl+C or a full disk midway never
+    # leaves a half adapter that peft would try to load
+    staged = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        config = LoraConfig(r=rank, lora_alpha=rank, target_modules=targets, lora_dropout=0.0,
+                            modules_to_save=sorted(saved) or None, bias="none",
+                            fan_in_fan_out=loaded.adapter.transposed, task_type="CAUSAL_LM",
+                            base_model_name_or_path=loaded.source)
+        config.save_pretrained(str(staged))
+        save_file({k: v.contiguous() for k, v in tensors.items()},
+                  str(staged / "adapter_model.safetensors"), metadata={"format": "pt"})
+        with signals_held():
+            if out.is_dir() and not any(out.iterdir()):
+                out.rmdir()  # (an empty folder chosen for it: replaced by the whole one)
+            os.rename(staged, out)  # (refused if the folder has appeared meanwhile, not empty)
+    except OSError as exc:
+        raise UserError(f"cannot write the adapter {out}: {exc.strerror or exc}") from None
+    except Exception as exc:  # noqa: BLE001 - safetensors reports a full disk as its own error
+        if type(exc).__name__ != "SafetensorError":
+            raise
+        raise UserError(f"cannot write the adapter {out}: {exc}") from None
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
     return out
 
 

@@ -150,3 +150,27 @@ def test_command_line(tmp_path, capsys) -> None:
                "--rank", "0"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "--rank" in err
+
+
+def test_the_adapter_is_written_whole_or_not_at_all(tmp_path, monkeypatch) -> None:
+    """A failure while the adapter is written (here the weights' file) leaves no folder, not a
+    half adapter peft would try to load; an empty folder chosen for it gets the whole one."""
+    pytest.importorskip("peft")
+    import safetensors.torch
+
+    loaded = tiny_loaded(tiny_config("llama"))
+    compiled = compile_context(loaded, CONTEXT, QUERIES[:1], rank=2, max_new_tokens=1)
+
+    def full_disk(*args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(safetensors.torch, "save_file", full_disk)
+        with pytest.raises(UserError, match="cannot write the adapter .*No space left"):
+            compiled.save_adapter(tmp_path / "lora")
+    assert list(tmp_path.iterdir()) == []  # no folder, no staged leftovers
+    (tmp_path / "empty").mkdir()
+    compiled.save_adapter(tmp_path / "empty")
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {
+        p.name for p in (tmp_path / "empty").iterdir()}
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
