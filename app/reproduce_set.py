@@ -228,8 +228,21 @@ def check(req: SetRequest) -> list[Any]:
 
         read_image(req.image)  # a bad file fails before any run
         _image_model_check(req.model)
-    check_resumable(req.out, jobs, req.model, req.tokens, req.device)
+    check_resumable(req.out, [*jobs, *_saved_sweep(req)], req.model, req.tokens, req.device)
     return jobs
+
+
+def _saved_sweep(req: SetRequest) -> list[Any]:
+    """The sweep's jobs whose runs this folder already holds (the sweep runs after the whole
+    grid: a folder of another set must be refused before the grid, not after it)."""
+    from ..core.sets import sweep_jobs
+
+    if req.sweep is not None:
+        layers = list(req.sweep)
+    else:  # (the default sweep's layers need the model: those saved are what could clash)
+        names = (p.stem.removeprefix("sweep-s") for p in (req.out / "runs").glob("sweep-s*.json"))
+        layers = sorted(int(n) for n in names if n.isdigit())
+    return sweep_jobs(req.rows[0], req.dtypes[0], req.absorbs[0], layers, req.analyze)
 
 
 @dataclass

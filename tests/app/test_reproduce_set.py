@@ -201,3 +201,29 @@ def test_absurd_statistics_options_are_refused_before_any_run(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{option} must be a whole number from" in err[0], err
     assert not out.exists()
+
+
+def test_another_set_in_the_same_folder_is_refused_before_its_grid(
+        tiny_model_dir: str, tmp_path: Path, capsys: Any) -> None:
+    """A second set whose ids differ from the first's but whose start-layer sweep would reuse
+    the first's sweep runs: refused before any run (it ran its whole grid into the folder,
+    then failed at the sweep)."""
+    out = tmp_path / "out"
+    first = _set(tmp_path, ROWS[:1])
+    argv = ["reproduce", "--model", tiny_model_dir, "--prompts", str(first), "--out", str(out),
+            "--max-new-tokens", "2", "--dtypes", "float32", "--methods", "direct",
+            "--sweep", "1"]
+    assert main(argv) == 0
+    runs = sorted(p.name for p in (out / "runs").iterdir())
+    second = tmp_path / "other.jsonl"
+    second.write_text(json.dumps({"id": "other", "query": "Who lives in Paris?"}) + "\n",
+                      encoding="utf-8")
+    capsys.readouterr()
+    for sweep in ("1", None):  # given, or the default's (found among the saved runs)
+        more = argv[:4] + [str(second)] + argv[5:]
+        if sweep is None:
+            more = more[:-2]
+        assert main(more) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "sweep-s1" in err[0], err
+        assert sorted(p.name for p in (out / "runs").iterdir()) == runs
