@@ -367,7 +367,8 @@ class _Progress:
 
         if self.quiet:
             return
-        if total == SCALE:  # staged (`core.progress.Stages`): a percentage, every 5% or step
+        if total == SCALE and message.startswith("Step "):  # staged (`core.progress.Stages`):
+            # a percentage, every 5% or step (a count of exactly 1000 things stays a count)
             percent, step = done * 100 // SCALE, message.split(":", 1)[0]
             if percent < self._staged[0] + 5 and step == self._staged[1] and percent < 100:
                 return
