@@ -174,3 +174,35 @@ def test_the_adapter_is_written_whole_or_not_at_all(tmp_path, monkeypatch) -> No
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {
         p.name for p in (tmp_path / "empty").iterdir()}
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+#: the families whose MLPs are mixtures of experts (their tiny configs route tokens)
+MOE = {"deepseek_v2", "deepseek_v3", "ernie4_5_moe", "ernie4_5_moe_routed", "gemma4_text_moe",
+       "glm4_moe", "gpt_oss", "granitemoe", "granitemoehybrid", "jamba", "llama4_text",
+       "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next"}
+
+
+def _every_family() -> dict[str, object]:
+    from tiny import TINY
+
+    return {"gemma3": lambda: gemma3_config(layers=4),
+            **{name: (lambda name=name: tiny_config(name)) for name in TINY}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(_every_family()))
+def test_every_family_compiles_or_refuses_in_one_line(family: str) -> None:
+    """Issue 33: every supported text family either compiles (and evaluates to finite numbers
+    on its training and held-out queries) or, a mixture of experts, refuses in one line saying
+    why; never a traceback."""
+    loaded = tiny_loaded(_every_family()[family]())
+    if family in MOE:
+        with pytest.raises(UserError, match="mixture-of-experts") as info:
+            compile_context(loaded, CONTEXT, QUERIES[:1], ["Where?"], rank=2, max_new_tokens=2)
+        assert "\n" not in str(info.value)
+        return
+    result = compile_context(loaded, CONTEXT, QUERIES[:1], ["Where?"], rank=2,
+                             max_new_tokens=2).evaluate()
+    rows = [*result["train"], *result["held_out"]]
+    assert len(rows) == 2 and all(r["tokens"] >= 1 for r in rows)
+    assert all(r["linf"] is not None and r["linf"] == r["linf"] for r in rows)  # (not NaN)
