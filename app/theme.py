@@ -97,3 +97,15 @@ def legend_style(legend: Any, palette: QPalette, point_size: float | None = None
     for _, label in legend.items:  # entries already there: redrawn in the new colour and size
         label.setText(label.text, color=text.name(),
                       size=legend.opts["labelTextSize"])
+
+
+class FollowsPalette:
+    """A panel whose plots follow the palette (a light or dark theme chosen while it is shown):
+    mix in before QWidget; the panel's ``_restyle()`` runs on each palette change."""
+
+    def changeEvent(self, event: Any) -> None:  # noqa: N802 - Qt override
+        from PySide6.QtCore import QEvent
+
+        if event.type() == QEvent.Type.PaletteChange:
+            self._restyle()  # type: ignore[attr-defined]
+        super().changeEvent(event)  # type: ignore[misc]

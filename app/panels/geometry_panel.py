@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QEvent, Qt
+from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QSpinBox, QVBoxLayout, QWidget
 
 from ...core.geometry import role_of
 from ..state import param_key
-from ..theme import series_colors, style_bar, style_graphics
+from ..theme import FollowsPalette, series_colors, style_bar, style_graphics
 from .heatmap import COLORMAP, cell_under, matrix_image, show_matrix
 from .lens_panel import visible
 from .plots_panel import TokenAxis
@@ -39,7 +39,7 @@ def as_matrix(rows: list[list[Any]] | None) -> np.ndarray:
     return np.array([[np.nan if x is None else float(x) for x in row] for row in rows])
 
 
-class QtGeometryPanel(QWidget):
+class QtGeometryPanel(FollowsPalette, QWidget):
     """The patch geometry of one run, from its record (`set_record`)."""
 
     def __init__(self, parent: QWidget | None = None) -> None:
@@ -109,11 +109,6 @@ class QtGeometryPanel(QWidget):
                                      slot=self._on_hover)
         self._restyle()
         self.set_record(None)
-
-    def changeEvent(self, event: QEvent) -> None:  # noqa: N802 - Qt override
-        if event.type() == QEvent.Type.PaletteChange:
-            self._restyle()
-        super().changeEvent(event)
 
     def _restyle(self) -> None:
         style_graphics(self.graphics, [self.tokens_plot, self.layers_plot, self.sigma_plot],

@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import (
-    QEvent,
     QModelIndex,
     QPersistentModelIndex,
     QRectF,
@@ -57,7 +56,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ..theme import OKABE_ITO, style_graphics
+from ..theme import OKABE_ITO, FollowsPalette, style_graphics
 from .heatmap import COLORMAP  # (blue: the layer lowers the emitted token's logit, red: raises)
 from .plots_panel import TokenAxis
 
@@ -203,7 +202,7 @@ class QtColorScale(QWidget):
         painter.end()
 
 
-class QtLensPanel(QWidget):
+class QtLensPanel(FollowsPalette, QWidget):
     """The context lens of one run, from its record (`set_record`), and the knock-out of a
     step's layers on demand (`knockout_requested`, answered by `set_knockout`)."""
 
@@ -306,11 +305,6 @@ class QtLensPanel(QWidget):
         self.grid.currentCellChanged.connect(self._on_current)
         self._restyle()
         self.set_record(None)
-
-    def changeEvent(self, event: QEvent) -> None:  # noqa: N802 - Qt override
-        if event.type() == QEvent.Type.PaletteChange:
-            self._restyle()
-        super().changeEvent(event)
 
     def _restyle(self) -> None:
         style_graphics(self.graphics, [self.bars], self.palette())

@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QEvent, QRectF, Qt
+from PySide6.QtCore import QRectF, Qt
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from ..state import RunState
-from ..theme import series_colors, style_graphics
+from ..theme import FollowsPalette, series_colors, style_graphics
 from .plots_panel import TokenAxis
 
 FLOOR = 1e-30
 HOVER_HINT = "Hover over the heatmap for a cell's layer, token, parameter and value."
 
 
-class QtPatchPanel(QWidget):
+class QtPatchPanel(FollowsPalette, QWidget):
     def __init__(self, state: RunState, parent: QWidget | None = None,
                  point_size: float | None = None) -> None:
         super().__init__(parent)
@@ -78,11 +78,6 @@ class QtPatchPanel(QWidget):
                                      slot=self._on_heat_hover)
         self._restyle()
         state.subscribe(self._on_state)
-
-    def changeEvent(self, event: QEvent) -> None:  # noqa: N802 - Qt override
-        if event.type() == QEvent.Type.PaletteChange:
-            self._restyle()
-        super().changeEvent(event)
 
     def set_point_size(self, point_size: float | None) -> None:
         """Tick and label text in this size (the report's figures: 10 pt)."""

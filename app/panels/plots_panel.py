@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QEvent, Qt
+from PySide6.QtCore import Qt
 from PySide6.QtGui import QFontMetricsF
 from PySide6.QtWidgets import QCheckBox, QLabel, QVBoxLayout, QWidget
 
 from ..state import RunState
-from ..theme import legend_style, series_colors, style_graphics
+from ..theme import FollowsPalette, legend_style, series_colors, style_graphics
 
 #: log plots cannot show 0; exact zeros are drawn at this floor
 FLOOR = 1e-12
@@ -107,7 +107,7 @@ def token_label(step: Any) -> str:
     return text.replace("{", "{{").replace("}", "}}")  # (the label formats its text)
 
 
-class QtPlotsPanel(QWidget):
+class QtPlotsPanel(FollowsPalette, QWidget):
     def __init__(self, state: RunState, parent: QWidget | None = None,
                  point_size: float | None = None) -> None:
         super().__init__(parent)
@@ -228,11 +228,6 @@ class QtPlotsPanel(QWidget):
         width = metrics.horizontalAdvance("1e-12") + metrics.height() * 1.6 + 14
         for plot in self.plots.values():
             plot.getAxis("left").setWidth(int(width))
-
-    def changeEvent(self, event: QEvent) -> None:  # noqa: N802 - Qt override
-        if event.type() == QEvent.Type.PaletteChange:
-            self._restyle()
-        super().changeEvent(event)
 
     def _on_click(self, event: object) -> None:
         self._select_at(event.scenePos())  # type: ignore[attr-defined]

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QEvent, Qt
+from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
 from ...core.analysis import transfer_caveat, transfer_means
@@ -31,7 +31,14 @@ from ..report_transfer import (
     transfer_arrays,
     transfer_counts,
 )
-from ..theme import OKABE_ITO, legend_style, series_colors, style_bar, style_graphics
+from ..theme import (
+    OKABE_ITO,
+    FollowsPalette,
+    legend_style,
+    series_colors,
+    style_bar,
+    style_graphics,
+)
 from .heatmap import COLORMAP, LabelAxis, cell_under, matrix_image, show_matrix
 from .lens_panel import visible
 from .plots_panel import TokenAxis
@@ -53,7 +60,7 @@ def _number(x: float) -> str:
     return "n/a" if not np.isfinite(x) else f"{x:+.4g}"
 
 
-class QtTransferPanel(QWidget):
+class QtTransferPanel(FollowsPalette, QWidget):
     """The transfer of one run, from its record (`set_record`)."""
 
     def __init__(self, parent: QWidget | None = None) -> None:
@@ -121,11 +128,6 @@ class QtTransferPanel(QWidget):
                                      slot=self._on_hover)
         self._restyle()
         self.set_record(None)
-
-    def changeEvent(self, event: QEvent) -> None:  # noqa: N802 - Qt override
-        if event.type() == QEvent.Type.PaletteChange:
-            self._restyle()
-        super().changeEvent(event)
 
     def _restyle(self) -> None:
         palette = self.palette()
