@@ -81,18 +81,13 @@ class CurveFigure:
         import pyqtgraph as pg
         from PySide6.QtCore import Qt
 
-        from .theme import legend_style, series_colors, style_graphics
+        from .theme import legend_row, legend_style, series_colors, style_graphics
 
         self.graphics = pg.GraphicsLayoutWidget()
         if report:
             self.graphics.setAttribute(Qt.WidgetAttribute.WA_DontShowOnScreen)
             self.graphics.setFixedSize(*CURVE_SIZE)
-        self.legend_row = self.graphics.addLayout(row=0, col=0)
-        self.legend_row.setContentsMargins(0, 0, 0, 0)
-        self.legend = pg.LegendItem(colCount=2, horSpacing=12, verSpacing=-6)
-        self.legend.layout.setContentsMargins(4, 0, 4, 0)
-        self.legend.setFlag(self.legend.GraphicsItemFlag.ItemIgnoresTransformations, False)
-        self.legend_row.addItem(self.legend, row=0, col=0)
+        self.legend_row, self.legend = legend_row(self.graphics, columns=2)
         self.plot = self.graphics.addPlot(row=1, col=0)
         self.plot.setLabel("bottom", "rank k")
         self.plot.setLabel("left", "retained effect R")

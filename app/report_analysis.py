@@ -200,20 +200,12 @@ class _GeometryFigure:
         from PySide6.QtCore import Qt
 
         from .panels.plots_panel import TokenAxis
-        from .theme import legend_style, series_colors, style_bar, style_graphics
+        from .theme import legend_row, legend_style, series_colors, style_bar, style_graphics
 
         self.graphics = pg.GraphicsLayoutWidget()
         self.graphics.setAttribute(Qt.WidgetAttribute.WA_DontShowOnScreen)
         self.graphics.setFixedSize(*GEOMETRY_SIZE)
-        # the legend has a row of its own above the ranks (as the per-token plots' does): it
-        # never covers a point
-        self.legend_row = self.graphics.addLayout(row=0, col=0)
-        self.legend_row.setContentsMargins(0, 0, 0, 0)
-        self.legend = pg.LegendItem(colCount=2, horSpacing=12, verSpacing=-6)
-        self.legend.layout.setContentsMargins(4, 0, 4, 0)
-        # drawn with the figure (pyqtgraph's legends ignore transformations: the PNG's scale)
-        self.legend.setFlag(self.legend.GraphicsItemFlag.ItemIgnoresTransformations, False)
-        self.legend_row.addItem(self.legend, row=0, col=0)
+        self.legend_row, self.legend = legend_row(self.graphics, columns=2)  # (above the ranks)
         self.ranks = self.graphics.addPlot(row=1, col=0,
                                            axisItems={"bottom": TokenAxis("bottom")})
         self.ranks.setLabel("bottom", "layer")

@@ -93,24 +93,19 @@ class TransferFigure:
 
         from .panels.heatmap import LabelAxis
         from .panels.plots_panel import TokenAxis
-        from .theme import legend_style, series_colors, style_bar, style_graphics
+        from .theme import legend_row, legend_style, series_colors, style_bar, style_graphics
 
         self.graphics = pg.GraphicsLayoutWidget()
         self.graphics.setAttribute(Qt.WidgetAttribute.WA_DontShowOnScreen)
         self.graphics.setFixedSize(*TRANSFER_SIZE)
         # the legend has a row of its own above both plots: it never covers a point
-        self.legend_row = self.graphics.addLayout(row=0, col=0, colspan=2)
+        self.legend_row, self.legend = legend_row(self.graphics, columns=3, spacing=8, colspan=2)
         self.matrix = self.graphics.addPlot(row=1, col=0, axisItems={
             "bottom": LabelAxis("bottom"), "left": LabelAxis("left")})
         self.matrix.setLabel("bottom", "target token")
         self.matrix.setLabel("left", "source token (its patches)")
         self.matrix.invertY(True)  # source 1's row at the top
         self.image, self.bar = _heatmap(self.matrix, "retained effect R")
-        self.legend_row.setContentsMargins(0, 0, 0, 0)
-        self.legend = pg.LegendItem(colCount=3, horSpacing=8, verSpacing=-6)
-        self.legend.layout.setContentsMargins(4, 0, 4, 0)
-        self.legend.setFlag(self.legend.GraphicsItemFlag.ItemIgnoresTransformations, False)
-        self.legend_row.addItem(self.legend, row=0, col=0)
         self.curves = self.graphics.addPlot(row=1, col=1, axisItems={"bottom": TokenAxis("bottom")})
         self.curves.setLabel("bottom", "target token")
         self.curves.setLabel("left", "R")

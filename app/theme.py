@@ -99,6 +99,26 @@ def legend_style(legend: Any, palette: QPalette, point_size: float | None = None
                       size=legend.opts["labelTextSize"])
 
 
+def legend_row(graphics: Any, columns: int, spacing: int = 12, margin: int = 4,
+               scaled: bool = True, **place: int) -> tuple[Any, Any]:
+    """A legend in a row of its own above the plots of ``graphics`` (a GraphicsLayoutWidget,
+    at ``place``: row, col, colspan), so it never covers a point; returns (the row's layout,
+    the LegendItem). ``scaled``: laid out like the plots and scaled with them (pyqtgraph's
+    legends float over a zoomable view and ignore transformations; an exported figure is drawn
+    larger than the screen's). Its height is set once filled, with the row's
+    ``layout.setRowFixedHeight``."""
+    import pyqtgraph as pg
+
+    row = graphics.addLayout(**{"row": 0, "col": 0, **place})
+    row.setContentsMargins(0, 0, 0, 0)
+    legend = pg.LegendItem(colCount=columns, horSpacing=spacing, verSpacing=-6)
+    legend.layout.setContentsMargins(margin, 0, margin, 0)
+    if scaled:
+        legend.setFlag(legend.GraphicsItemFlag.ItemIgnoresTransformations, False)
+    row.addItem(legend, row=0, col=0)
+    return row, legend
+
+
 class FollowsPalette:
     """A panel whose plots follow the palette (a light or dark theme chosen while it is shown):
     mix in before QWidget; the panel's ``_restyle()`` runs on each palette change."""

@@ -19,7 +19,7 @@ from PySide6.QtGui import QFontMetricsF
 from PySide6.QtWidgets import QCheckBox, QLabel, QVBoxLayout, QWidget
 
 from ..state import RunState
-from ..theme import FollowsPalette, legend_style, series_colors, style_graphics
+from ..theme import FollowsPalette, legend_row, legend_style, series_colors, style_graphics
 
 #: log plots cannot show 0; exact zeros are drawn at this floor
 FLOOR = 1e-12
@@ -132,14 +132,7 @@ class QtPlotsPanel(FollowsPalette, QWidget):
         self.marks: dict[str, pg.PlotDataItem] = {}
         self.cursors: dict[str, pg.InfiniteLine] = {}
         # the legend has a row of its own above the plots: it never covers a point
-        self.legend_row = self.graphics.addLayout(row=0, col=0)
-        self.legend_row.setContentsMargins(0, 0, 0, 0)
-        self.legend = pg.LegendItem(colCount=4, horSpacing=18, verSpacing=-6)
-        self.legend.layout.setContentsMargins(6, 0, 6, 0)
-        # pyqtgraph's legends float over a zoomable view and ignore transformations; this one is
-        # laid out like the plots, and must scale with them (an exported figure is drawn larger)
-        self.legend.setFlag(self.legend.GraphicsItemFlag.ItemIgnoresTransformations, False)
-        self.legend_row.addItem(self.legend, row=0, col=0)
+        self.legend_row, self.legend = legend_row(self.graphics, columns=4, spacing=18, margin=6)
         for row, metric in enumerate(("linf", "tvd", "match"), start=1):
             axes = {"bottom": TokenAxis("bottom")}
             if metric != "match":

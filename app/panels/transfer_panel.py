@@ -34,6 +34,7 @@ from ..report_transfer import (
 from ..theme import (
     OKABE_ITO,
     FollowsPalette,
+    legend_row,
     legend_style,
     series_colors,
     style_bar,
@@ -92,11 +93,7 @@ class QtTransferPanel(FollowsPalette, QWidget):
         self.bar.setImageItem(self.image)
         self.graphics.addItem(self.bar, row=0, col=1, rowspan=2)
         # the curves' legend in a row of its own above them: it never covers a point
-        self.legend_row = self.graphics.addLayout(row=0, col=2)
-        self.legend_row.setContentsMargins(0, 0, 0, 0)
-        self.legend = pg.LegendItem(colCount=2, horSpacing=12, verSpacing=-6)
-        self.legend.layout.setContentsMargins(4, 0, 4, 0)
-        self.legend_row.addItem(self.legend, row=0, col=0)
+        self.legend_row, self.legend = legend_row(self.graphics, columns=2, scaled=False, col=2)
         self.curves_plot = self.graphics.addPlot(row=1, col=2,
                                                  axisItems={"bottom": TokenAxis("bottom")})
         self.curves_plot.setLabel("bottom", "target token")
