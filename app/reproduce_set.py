@@ -148,16 +148,12 @@ def _check_out(out: Path, inputs: Sequence[str | None]) -> None:
     Raises:
         UserError: one line naming the folder and the input.
     """
-    from ..core.outputs import _inside, _real
+    from ..core.outputs import input_at
 
-    where = _real(out)
-    for given in inputs:
-        if not given or not Path(given).exists():
-            continue  # (a hub id, "demo" before its first use)
-        path = _real(given)
-        if _inside(path, where) or (path.is_dir() and _inside(where, path)):
-            raise UserError(f"--out {out} would write beside or over {given}, which the set "
-                            "reads: give a folder of its own")
+    given = input_at(out, inputs)
+    if given is not None:
+        raise UserError(f"--out {out} would write beside or over {given}, which the set "
+                        "reads: give a folder of its own")
 
 
 def _listed(value: Any, what: str, allowed: Sequence[str]) -> list[str]:

@@ -201,17 +201,15 @@ def check_adapter_folder(folder: str, inputs: Sequence[str | None] = (),
     import os
     from pathlib import Path
 
-    from .outputs import _inside, _real
+    from .outputs import _real, input_at
 
     if not folder.strip():
         raise UserError(f"{what} is empty: give a new folder's name")
     path = Path(os.path.expanduser(folder))
-    real = _real(path)
-    for source in (p for p in inputs if p and os.path.exists(os.path.expanduser(p))):
-        src = _real(source)
-        if _inside(real, src) or _inside(src, real):
-            raise UserError(f"{what} {folder} would overwrite {source}, which this run reads "
-                            "(or holds it): choose a new folder elsewhere")
+    source = input_at(path, inputs)
+    if source is not None:
+        raise UserError(f"{what} {folder} would overwrite {source}, which this run reads "
+                        "(or holds it): choose a new folder elsewhere")
     if path.exists() or path.is_symlink():
         if not path.is_dir():
             raise UserError(f"{what} {folder} is a file: give a new folder's name")
@@ -224,7 +222,7 @@ def check_adapter_folder(folder: str, inputs: Sequence[str | None] = (),
         if not os.access(path, os.W_OK):
             raise UserError(f"cannot write {what} {folder}: the folder is not writable")
         return
-    parent = real.parent
+    parent = _real(path).parent
     if not parent.is_dir():
         raise UserError(f"cannot write {what} {folder}: its parent folder {parent} does not "
                         "exist")

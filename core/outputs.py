@@ -80,6 +80,18 @@ def check_outputs(outputs: Mapping[str, str | None], inputs: Iterable[str | None
 REPORT_SUFFIXES = (".html", ".htm", ".pdf")
 
 
+def input_at(folder: str | os.PathLike[str], inputs: Iterable[str | None]) -> str | None:
+    """The first of ``inputs`` (existing paths; a hub id or "demo" is skipped) that an output
+    ``folder`` is, lies in or holds, symlinks resolved; None when the folder touches none (an
+    adapter folder, a prompt set's output folder)."""
+    where = _real(folder)
+    for source in (p for p in inputs if p and os.path.exists(os.path.expanduser(p))):
+        real = _real(source)
+        if _inside(real, where) or _inside(where, real):
+            return source
+    return None
+
+
 def check_report(path: str | None, inputs: Iterable[str | None] = ()) -> Path | None:
     """The report's plots folder (``NAME_plots`` beside it), refused before any work when it
     exists as a file or holds an input of the run (the plots would replace it), or when the
