@@ -523,21 +523,14 @@ def write_report(run: RunRecord, path: str | Path, plot_dir: str | Path | None =
     and SIGTERM wait until the report is whole (`core.export.signals_held`: the seconds of its
     drawing), and a failure midway puts any previous report and plots back. ``inputs``: the
     run's files, which the plots must not replace (`core.outputs.check_report`)."""
-    from ..core.export import signals_held
-    from ..core.outputs import check_report
-
-    path = Path(path)
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():  # (the plots' folder beside it must not create it silently)
-        raise UserError(f"cannot write {path}: folder {parent} does not exist")
-    check_report(str(path), inputs)
-    with signals_held():  # (the drawing too: an exception cannot leave a Qt paint override)
+    def draw() -> tuple[dict[str, tuple[bytes, bytes]], bytes | None]:
         images = plot_images(run, selected)
         images.update(dynamics_images(dynamics, _png, _svg, FIGURE_PT))
         images.update(compile_images(compiled, _png, _svg, FIGURE_PT))
-        return _write_report(path, parent, plot_dir, images, thumbnail(run),
-                             lambda srcs, screen: report_html(run, srcs, screen, dynamics,
-                                                              compiled))
+        return images, thumbnail(run)
+
+    return _checked_report(path, plot_dir, inputs, draw, lambda srcs, screen: report_html(
+        run, srcs, screen, dynamics, compiled))
 
 
 def write_compile_report(record: dict[str, Any], path: str | Path,
@@ -546,20 +539,11 @@ def write_compile_report(record: dict[str, Any], path: str | Path,
     """Write the report of a compile record alone (``ctxpatch compile --report``), as
     `write_report` writes a run's: HTML or PDF, the rank curve as PNG and SVG in ``plot_dir``,
     staged and moved into place with the signals held."""
-    from ..core.export import signals_held
-    from ..core.outputs import check_report
     from .compile_view import compile_page
 
-    path = Path(path)
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise UserError(f"cannot write {path}: folder {parent} does not exist")
-    check_report(str(path), inputs)
-    with signals_held():
-        ensure_app()
-        images = compile_images(record, _png, _svg, FIGURE_PT)
-        return _write_report(path, parent, plot_dir, images, None,
-                             lambda srcs, screen: compile_page(record, srcs, screen))
+    return _checked_report(path, plot_dir, inputs,
+                           lambda: (compile_images(record, _png, _svg, FIGURE_PT), None),
+                           lambda srcs, screen: compile_page(record, srcs, screen))
 
 
 def write_dynamics_report(record: dict[str, Any], path: str | Path,
@@ -575,22 +559,38 @@ def write_dynamics_report(record: dict[str, Any], path: str | Path,
         UserError: the path cannot be written or names an input, or the record is damaged.
     """
     from ..core.dynamics_record import check_dynamics
+
+    check_dynamics(record)
+
+    def draw() -> tuple[dict[str, tuple[bytes, bytes]], None]:
+        images = dynamics_images(record, _png, _svg, FIGURE_PT)
+        images.update(compile_images(compiled, _png, _svg, FIGURE_PT))
+        return images, None
+
+    return _checked_report(path, plot_dir, inputs, draw, lambda srcs, screen: (
+        dynamics_report_html(record, srcs, screen, compiled)))
+
+
+def _checked_report(path: str | Path, plot_dir: str | Path | None,
+                    inputs: Sequence[str | None],
+                    draw: Callable[[], tuple[dict[str, tuple[bytes, bytes]], bytes | None]],
+                    html_of: Callable[[dict[str, str], bool], str]) -> list[Path]:
+    """What every report writer shares: refuse a path whose folder is missing or whose plots
+    would replace an input (`core.outputs.check_report`), then, with Ctrl+C and SIGTERM held
+    (`core.export.signals_held`: the drawing too, so an exception cannot leave a Qt paint
+    override), ``draw()`` the figures (and the thumbnail) and stage the report (`_write_report`)."""
     from ..core.export import signals_held
     from ..core.outputs import check_report
 
-    check_dynamics(record)
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
+    if not parent.is_dir():  # (the plots' folder beside it must not create it silently)
         raise UserError(f"cannot write {path}: folder {parent} does not exist")
     check_report(str(path), inputs)
     with signals_held():
         ensure_app()
-        images = dynamics_images(record, _png, _svg, FIGURE_PT)
-        images.update(compile_images(compiled, _png, _svg, FIGURE_PT))
-        return _write_report(path, parent, plot_dir, images, None,
-                             lambda srcs, screen: dynamics_report_html(record, srcs, screen,
-                                                                       compiled))
+        images, thumb = draw()
+        return _write_report(path, parent, plot_dir, images, thumb, html_of)
 
 
 def _write_report(path: Path, parent: Path, plot_dir: str | Path | None,
